@@ -1,0 +1,21 @@
+"""moe-attrib: per-example gradient attribution for Mixture-of-Experts language models."""
+
+from moe_attrib.collector import GradientCollector, PerExampleGradients, per_example_gradients
+from moe_attrib.discovery import CoverageReport, discover
+from moe_attrib.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CoverageReport",
+    "ExpertLinear",
+    "GradientCollector",
+    "LayoutError",
+    "PerExampleGradients",
+    "__version__",
+    "discover",
+    "expand_moe",
+    "per_example_gradients",
+    "restore_moe",
+    "track_moe_experts",
+]

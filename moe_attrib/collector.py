@@ -1,0 +1,464 @@
+"""Per-example gradients from one forward and one activation-only backward.
+
+For a linear map `y = x W^T` the gradient of example n's loss is `sum_t dy_t x_t^T` over its
+tokens. Hooks capture each target's input rows in the forward and its output gradients in the
+backward; with a projection both sides are projected first (`P_out dy`, `P_in x`), so the
+per-example block is `projection_dim^2` and nothing of size `out x in` is ever formed.
+
+Fused experts run through `experts.grouped_experts_forward` (tokens sorted by expert once,
+one grouped matmul per projection). Their routed rows are projected with one grouped matmul
+per side, scattered into the per-(expert, example) grid `[E * N, L, p]`, and every expert's
+per-example gradients come from one batched matmul. No parameter gradient is computed:
+parameters are frozen during collection and only activation gradients flow.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from moe_attrib.discovery import CoverageReport, Target, discover
+from moe_attrib.experts import ExpertsLayout, LayoutError, RoutedRows, collection_forward, grouped_matmul
+from moe_attrib.families import grouped_linear_groups
+from moe_attrib.projection import Projections
+
+
+class PerExampleGradients(dict):
+    """`{"<module>.weight" | "<module>.bias": Tensor [N, ...]}` plus batch metadata.
+
+    `losses`: `[N]` summed token cross-entropy per example. `expert_counts`: `[N, layers, E]`
+    real (non-padding) tokens of each example routed to each expert, one row per experts
+    module in `expert_layers` order (layers with fewer experts are zero-padded).
+    """
+
+    losses: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_layers: list[str]
+
+
+@dataclass
+class _Batch:
+    n: int
+    seq_len: int
+    mask: torch.Tensor | None  # [N * S] bool, True for real tokens
+
+
+def example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of each example (`labels` -100 are ignored)."""
+    shifted = logits[:, :-1].float()
+    target = labels[:, 1:]
+    loss = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), target.reshape(-1), reduction="none")
+    return loss.view(target.shape).sum(dim=1)
+
+
+def default_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    labels = input_ids.clone()
+    if attention_mask is not None:
+        labels[attention_mask == 0] = -100
+    return labels
+
+
+class _LinearTap(TorchFunctionMode):
+    """Catches `F.linear` / matmul calls that use one module's own weight, inside its forward.
+
+    Routers often compute logits from a bare parameter (`F.linear(h, self.weight)`, with casts
+    or a transpose on the way); the tap follows such derived tensors and reports the call's
+    input and output to `on_linear`.
+    """
+
+    _DERIVE = {
+        torch.Tensor.to,
+        torch.Tensor.type,
+        torch.Tensor.float,
+        torch.Tensor.half,
+        torch.Tensor.bfloat16,
+        torch.Tensor.contiguous,
+    }
+    _FLIP = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__}
+    _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm}
+
+    def __init__(self, weights: dict[int, tuple[torch.Tensor, Target]], on_linear: Callable):
+        super().__init__()
+        self.tracked: dict[int, tuple[torch.Tensor, Target, bool]] = {k: (w, t, False) for k, (w, t) in weights.items()}
+        self.on_linear = on_linear
+        self.hit: set[str] = set()
+
+    def _capture(self, entry, x, out, weight_left: bool = False) -> None:
+        target = entry[1]
+        self.hit.add(target.name)
+        if weight_left:  # W @ X with X [..., in, S]: rows are the last axis
+            self.on_linear(target, x.transpose(-1, -2), out, False, out_transposed=True)
+        else:
+            self.on_linear(target, x, out, False)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is F.linear:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            entry = self.tracked.get(id(weight))
+            if entry is not None and not entry[2]:
+                self._capture(entry, args[0], out)
+        elif func in self._MATMUL and len(args) == 2:
+            entry = self.tracked.get(id(args[1]))
+            if entry is not None and entry[2]:
+                self._capture(entry, args[0], out)
+            entry = self.tracked.get(id(args[0]))
+            if entry is not None and not entry[2]:
+                self._capture(entry, args[1], out, weight_left=True)
+        elif func in self._DERIVE or func in self._FLIP:
+            entry = self.tracked.get(id(args[0])) if args else None
+            if entry is not None and isinstance(out, torch.Tensor):
+                self.tracked[id(out)] = (out, entry[1], entry[2] ^ (func in self._FLIP))
+        return out
+
+
+class GradientCollector:
+    """Installs collection hooks on a model; `collect(batch)` returns per-example gradients.
+
+    Use as a context manager: on exit every hook and forward override is removed and the
+    parameters' `requires_grad` flags are restored.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        report: CoverageReport | None = None,
+        *,
+        track_moe_experts: bool = True,
+        projection_dim: int | None = None,
+        seed: int = 0,
+    ):
+        self.model = model
+        self.report = report if report is not None else discover(model, track_moe_experts=track_moe_experts)
+        self.projection_dim = projection_dim
+        self.seed = seed
+        self._handles: list = []
+        self._overrides: list[nn.Module] = []
+        self._requires_grad: dict[nn.Parameter, bool] = {}
+        self._proj: Projections | None = None
+        self._batch: _Batch | None = None
+        self._results: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, torch.Tensor] = {}
+        self._verified: set[int] = set()
+
+    # -- installation ---------------------------------------------------------------------
+    def __enter__(self) -> GradientCollector:
+        for p in self.model.parameters():
+            self._requires_grad[p] = p.requires_grad
+            p.requires_grad_(False)
+        embed = self.model.get_input_embeddings()
+        self._handles.append(embed.register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
+        self._taps: dict[nn.Module, list[Target]] = {}
+        for target in self.report.targets:
+            self._install(target)
+        self._install_taps()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for module in self._overrides:
+            del module.forward
+        self._overrides.clear()
+        for p, flag in self._requires_grad.items():
+            p.requires_grad_(flag)
+        self._requires_grad.clear()
+
+    def _install(self, target: Target) -> None:
+        module = target.module
+        if target.kind == "experts":
+            module.forward = self._experts_forward(target.layout)
+            self._overrides.append(module)
+        elif target.kind in ("linear", "conv1d") and target.scope is None:
+            self._handles.append(
+                module.register_forward_hook(lambda m, a, out, t=target: self._dense(t, a[0], out, t.transposed))
+            )
+        elif target.kind == "grouped_linear":
+            self._handles.append(module.register_forward_hook(lambda m, a, out, t=target: self._grouped(t, a[0], out)))
+        else:
+            self._taps.setdefault(target.scope or module, []).append(target)
+
+    def _install_taps(self) -> None:
+        for scope, targets in self._taps.items():
+            self._handles.append(scope.register_forward_pre_hook(lambda m, a, ts=targets: self._tap_enter(m, ts)))
+            self._handles.append(scope.register_forward_hook(lambda m, a, out, ts=targets: self._tap_exit(m, ts)))
+
+    def _tap_enter(self, scope: nn.Module, targets: list[Target]) -> None:
+        tap = _LinearTap({id(t.module.weight): (t.module.weight, t) for t in targets}, self._dense)
+        tap.__enter__()
+        scope.__dict__.setdefault("_moe_attrib_taps", []).append(tap)
+
+    def _tap_exit(self, scope: nn.Module, targets: list[Target]) -> None:
+        tap = scope.__dict__["_moe_attrib_taps"].pop()
+        if not scope.__dict__["_moe_attrib_taps"]:
+            del scope.__dict__["_moe_attrib_taps"]
+        tap.__exit__(None, None, None)
+        missed = [t.name for t in targets if t.name not in tap.hit]
+        if missed:
+            raise LayoutError(
+                f"{missed}: weight not used through F.linear or a matmul during {type(scope).__name__}.forward, "
+                "so moe-attrib cannot attribute it. Exclude it with a module filter or add an adapter in "
+                "moe_attrib/families.py."
+            )
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _projection(self, name: str, side: str, features: int, like: torch.Tensor, batch: int | None = None):
+        if self._proj is None or self._proj.device != like.device or self._proj.dtype != like.dtype:
+            self._proj = Projections(self.projection_dim, self.seed, like.device, like.dtype)
+        return self._proj.get(name, side, features, batch)
+
+    def _per_example(self, rows: torch.Tensor) -> torch.Tensor:
+        n = self._batch.n
+        if rows.shape[0] % n:
+            raise RuntimeError(
+                f"{rows.shape[0]} rows cannot be split into {n} examples; packed or reshaped batches are "
+                "not supported by this target."
+            )
+        return rows.view(n, rows.shape[0] // n, *rows.shape[1:])
+
+    def _add(self, key: str, value: torch.Tensor) -> None:
+        if key in self._results:
+            self._results[key] = self._results[key] + value
+        else:
+            self._results[key] = value
+
+    # -- dense targets ----------------------------------------------------------------------
+    def _dense(
+        self, target: Target, x: torch.Tensor, y: torch.Tensor, transposed: bool, out_transposed: bool = False
+    ) -> None:
+        if not isinstance(y, torch.Tensor) or not y.requires_grad:
+            return
+        name = target.name
+        has_bias = target.module._parameters.get("bias") is not None
+        x = self._per_example(x.detach().reshape(-1, x.shape[-1]))
+        if self.projection_dim:
+            x = (x @ self._projection(name, "in", x.shape[-1], x)).float()
+        else:
+            x = x.float()
+
+        def backward(g: torch.Tensor) -> None:
+            if out_transposed:
+                g = g.transpose(-1, -2)
+            g = self._per_example(g.reshape(-1, g.shape[-1]))
+            if self.projection_dim:
+                g = g @ self._projection(name, "out", g.shape[-1], g)
+            g = g.float()
+            eq = "nsi,nso->nio" if transposed else "nso,nsi->noi"
+            self._add(f"{name}.weight", torch.einsum(eq, x, g) if transposed else torch.einsum(eq, g, x))
+            if has_bias:
+                self._add(f"{name}.bias", g.sum(dim=1))
+
+        y.register_hook(backward)
+
+    def _grouped(self, target: Target, x: torch.Tensor, y: torch.Tensor) -> None:
+        if not y.requires_grad:
+            return
+        name, groups = target.name, grouped_linear_groups(target.module)
+        x = self._per_example(x.detach().reshape(-1, groups, x.shape[-1]))
+        out = target.module.weight.shape[0]
+        if self.projection_dim:
+            x = (x @ self._projection(name, "in", x.shape[-1], x)).float()
+        else:
+            x = x.float()
+
+        def backward(g: torch.Tensor) -> None:
+            g = self._per_example(g.reshape(-1, groups, g.shape[-1]))
+            if self.projection_dim:
+                p_out = self._projection(name, "out", out, g).view(groups, out // groups, -1)
+                g = torch.einsum("nsgo,gop->nsgp", g, p_out).float()
+                self._add(f"{name}.weight", torch.einsum("nsgp,nsgq->npq", g, x))
+            else:
+                w = torch.einsum("nsgo,nsgi->ngoi", g.float(), x)
+                self._add(f"{name}.weight", w.reshape(w.shape[0], out, -1))
+
+        y.register_hook(backward)
+
+    # -- experts ----------------------------------------------------------------------------
+    def _experts_forward(self, layout: ExpertsLayout):
+        grouped = collection_forward(layout, self._experts_sink)
+        original = type(layout.module).forward
+
+        def forward(*args, **kwargs):
+            if not layout.decorated and id(layout.module) not in self._verified:
+                self._verify(layout, original, grouped, args, kwargs)
+            return grouped(*args, **kwargs)
+
+        return forward
+
+    def _verify(self, layout: ExpertsLayout, original, grouped, args, kwargs) -> None:
+        """Check an undecorated family's grouped forward against the module's own, once."""
+        with torch.no_grad():
+            ref = original(layout.module, *args, **kwargs)
+            got = collection_forward(layout, lambda *a: None)(*args, **kwargs)
+        err = (got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+        tol = 1e-4 if ref.dtype == torch.float32 else 2e-2
+        if not torch.isfinite(err) or err > tol:
+            raise LayoutError(
+                f"{layout.name} ({type(layout.module).__name__}): moe-attrib's grouped forward for the "
+                f"'{layout.family}' layout differs from the module's own forward (relative error {err:.2e}). "
+                "Its layout is not the one assumed; add an adapter in moe_attrib/families.py."
+            )
+        self._verified.add(id(layout.module))
+
+    def _routing_grid(self, layout: ExpertsLayout, rows: RoutedRows) -> dict:
+        cache = getattr(rows, "_grid", None)
+        if cache is not None:
+            return cache
+        batch = self._batch
+        n, e = batch.n, layout.num_experts
+        if rows.num_tokens % n:
+            raise RuntimeError(f"{layout.name}: {rows.num_tokens} tokens cannot be split into {n} examples.")
+        per_example = rows.num_tokens // n
+        example = rows.token // per_example
+        valid = rows.expert < e
+        seg = torch.where(valid, rows.expert * n + example, e * n)
+        counts = torch.bincount(seg, minlength=e * n + 1)
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.arange(seg.numel(), device=seg.device) - starts[seg]
+        length = max(int(counts[:-1].max().item()) if e * n else 0, 1)
+        flat = torch.where(valid, seg * length + pos, e * n * length)
+        real = torch.ones_like(valid)
+        if batch.mask is not None and rows.num_tokens == batch.mask.numel():
+            real = batch.mask[rows.token]
+        routed = torch.bincount(seg, weights=(real & valid).float(), minlength=e * n + 1)[:-1]
+        self._counts[layout.name] = routed.view(e, n).t()
+        cache = {"flat": flat, "length": length, "segments": e * n}
+        rows._grid = cache
+        return cache
+
+    def _to_grid(self, values: torch.Tensor, grid: dict) -> torch.Tensor:
+        out = values.new_zeros(grid["segments"] * grid["length"] + 1, values.shape[-1])
+        out.index_copy_(0, grid["flat"], values)
+        return out[:-1].view(grid["segments"], grid["length"], values.shape[-1])
+
+    def _experts_sink(
+        self, layout: ExpertsLayout, proj: str, x: torch.Tensor, y: torch.Tensor, rows: RoutedRows
+    ) -> None:
+        if not y.requires_grad:
+            return
+        grid = self._routing_grid(layout, rows)
+        e, n = layout.num_experts, self._batch.n
+        offsets = rows.offsets[:e]
+        pname = f"{layout.name}.{proj}"
+        in_features, out_features = layout.features(proj)
+        x = x.detach()
+        if self.projection_dim:
+            x = grouped_matmul(x, self._projection(pname, "in", in_features, x, batch=e), offsets)
+        gx = self._to_grid(x.float(), grid)
+
+        def backward(g: torch.Tensor) -> None:
+            if self.projection_dim:
+                g = grouped_matmul(g, self._projection(pname, "out", out_features, g, batch=e), offsets)
+            gy = self._to_grid(g.float(), grid)
+            w = torch.bmm(gx.transpose(1, 2), gy) if layout.transposed else torch.bmm(gy.transpose(1, 2), gx)
+            self._add(f"{pname}.weight", w.view(e, n, *w.shape[1:]).transpose(0, 1))
+            if layout.bias(proj) is not None:
+                self._add(f"{pname}.bias", gy.sum(dim=1).view(e, n, -1).transpose(0, 1))
+
+        y.register_hook(backward)
+
+    # -- one batch --------------------------------------------------------------------------
+    def collect(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> PerExampleGradients:
+        """Forward + activation backward on one batch; per-example gradients of every target."""
+        n, s = input_ids.shape
+        mask = attention_mask.reshape(-1).bool() if attention_mask is not None else None
+        self._batch = _Batch(n, s, mask)
+        self._results, self._counts = {}, {}
+        if labels is None:
+            labels = default_labels(input_ids, attention_mask)
+        try:
+            with torch.enable_grad():
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                losses = example_losses(out.logits, labels)
+                losses.sum().backward()
+        finally:
+            self._batch = None
+        return self._package(losses.detach(), n)
+
+    def _package(self, losses: torch.Tensor, n: int) -> PerExampleGradients:
+        result = PerExampleGradients()
+        missing = []
+        for target in self.report.targets:
+            if target.kind == "experts":
+                lay = target.layout
+                for proj in lay.projections:
+                    keys = ["weight"] + (["bias"] if lay.bias(proj) is not None else [])
+                    for key in keys:
+                        fused = self._results.get(f"{lay.name}.{proj}.{key}")
+                        if fused is None:
+                            missing.append(f"{lay.name}.{proj}")
+                            fused = self._zeros_like_expert(lay, proj, key, n, losses.device)
+                        for i in range(lay.num_experts):
+                            result[f"{lay.expert_name(i, proj)}.{key}"] = fused[:, i]
+                continue
+            for key in ("weight", "bias"):
+                param = target.module._parameters.get(key)
+                if param is None:
+                    continue
+                value = self._results.get(f"{target.name}.{key}")
+                if value is None:
+                    missing.append(target.name)
+                    value = self._zeros(param.shape, key, n, losses.device)
+                result[f"{target.name}.{key}"] = value
+        if missing:
+            warnings.warn(
+                f"moe-attrib: {len(set(missing))} tracked module(s) received no gradient in this batch "
+                f"(zeros recorded), e.g. {sorted(set(missing))[:3]}: they are not on the loss path.",
+                UserWarning,
+                stacklevel=3,
+            )
+        result.losses = losses
+        layers = [lay.name for lay in self.report.experts if lay.name in self._counts]
+        width = max((self._counts[name].shape[1] for name in layers), default=0)
+        counts = torch.zeros(n, len(layers), width, device=losses.device)
+        for i, name in enumerate(layers):
+            c = self._counts[name]
+            counts[:, i, : c.shape[1]] = c
+        result.expert_counts = counts
+        result.expert_layers = layers
+        return result
+
+    def _zeros(self, shape, key: str, n: int, device) -> torch.Tensor:
+        p = self.projection_dim
+        if p:
+            shape = (p, p) if key == "weight" else (p,)
+        return torch.zeros(n, *shape, device=device)
+
+    def _zeros_like_expert(self, lay: ExpertsLayout, proj: str, key: str, n: int, device) -> torch.Tensor:
+        shape = lay.param(proj).shape[1:] if key == "weight" else lay.bias(proj).shape[1:]
+        return self._zeros(shape, key, n, device).unsqueeze(1).repeat(1, lay.num_experts, *([1] * len(shape)))
+
+
+def per_example_gradients(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    track_moe_experts: bool = True,
+    projection_dim: int | None = None,
+    seed: int = 0,
+) -> PerExampleGradients:
+    """Per-example gradients of every tracked module for one batch.
+
+    Returns `{"<module>.weight" / ".bias": Tensor [N, *shape]}`: the module's weight shape
+    (ExpertLinear: the fused slice as stored) when `projection_dim` is None, else
+    `[N, projection_dim, projection_dim]` for weights and `[N, projection_dim]` for biases.
+    Each example's loss is its summed token cross-entropy (labels = input_ids, padding
+    ignored), so entry n equals autograd's gradient of example n's loss alone.
+    """
+    report = discover(model, track_moe_experts=track_moe_experts)
+    with GradientCollector(model, report, projection_dim=projection_dim, seed=seed) as collector:
+        return collector.collect(input_ids, attention_mask, labels)

@@ -1,0 +1,275 @@
+"""Find what can be attributed in a model and report what cannot, parameter by parameter.
+
+Targets are `nn.Linear` (and subclasses), HF `Conv1D`, routers whose logits come from a bare
+2D parameter, deepseek_v4-style grouped linears, and fused experts (one target per experts
+module, attributed per expert). Every trainable parameter that is not covered gets a reason;
+nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moe_attrib.experts import ExpertLinear, ExpertsLayout, _ExpertSlot, experts_layout
+from moe_attrib.families import grouped_linear_groups
+
+EMBEDDING_REASON = "embedding table (excluded by design: its per-example gradient is a sparse row gather)"
+TRACK_FLAG = "--track_moe_experts"
+
+
+@dataclass
+class Target:
+    """One attributed module. `kind`: linear, conv1d, grouped_linear, router or experts."""
+
+    name: str
+    module: nn.Module
+    kind: str
+    transposed: bool = False
+    layout: ExpertsLayout | None = None
+    scope: nn.Module | None = None  # tapped: the module whose forward uses the weight (else hooked)
+
+    @property
+    def tracked_names(self) -> list[str]:
+        return self.layout.expert_names() if self.layout is not None else [self.name]
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers")
+
+
+_ROUTER_HINTS = ("top_k", "num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _routerish(module: nn.Module) -> bool:
+    return any(hasattr(module, h) for h in _ROUTER_HINTS) or "router" in type(module).__name__.lower()
+
+
+def _is_router(module: nn.Module) -> bool:
+    weight = module._parameters.get("weight")
+    return weight is not None and weight.dim() == 2 and _routerish(module)
+
+
+_WEIGHT_USE = re.compile(r"self\.(\w+)\.weight\b")
+
+
+@functools.cache
+def _children_weights_used(cls: type) -> frozenset[str]:
+    """Children whose `.weight` the class's forward reads directly (bypassing their forward)."""
+    try:
+        source = inspect.getsource(getattr(cls.forward, "__wrapped__", cls.forward))
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset(_WEIGHT_USE.findall(source))
+
+
+def _reason(module: nn.Module, pname: str, param: torch.Tensor) -> str:
+    cls = type(module).__name__
+    if isinstance(module, nn.Embedding):
+        return EMBEDDING_REASON
+    if param.dim() <= 1 and ("norm" in cls.lower() or "norm" in pname.lower()):
+        return f"normalization weight of {cls} (not a linear map)"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return f"{cls} convolution (per-example convolution gradients are not supported)"
+    return f"bare {param.dim()}D parameter used inside {cls}.forward (not a linear map moe-attrib can attribute)"
+
+
+@dataclass
+class CoverageReport:
+    """What will be attributed. `coverage` excludes embedding tables and never-used expert slots.
+
+    `skipped` maps every trainable parameter that is not attributed (and not excluded by
+    design) to the reason; `excluded` lists those left out by design; `partial` lists fused
+    parameters of which only some expert slots are attributed.
+    """
+
+    tracked: list[str]
+    skipped: dict[str, str]
+    excluded: dict[str, str]
+    targets: list[Target]
+    experts: list[ExpertsLayout]
+    total_params: int
+    tracked_params: int
+    excluded_params: int
+    param_sizes: dict[str, int] = field(default_factory=dict)
+    track_moe_experts: bool = True
+
+    @property
+    def coverage(self) -> float:
+        denom = self.total_params - self.excluded_params
+        return self.tracked_params / denom if denom else 1.0
+
+    @property
+    def coverage_including_embeddings(self) -> float:
+        return self.tracked_params / self.total_params if self.total_params else 1.0
+
+    @property
+    def routers(self) -> list[str]:
+        return [t.name for t in self.targets if t.kind == "router"]
+
+    @property
+    def skipped_experts_params(self) -> int:
+        if self.track_moe_experts:
+            return 0
+        return sum(int(lay.param(p).numel()) for lay in self.experts for p in _all_params(lay))
+
+    def __str__(self) -> str:
+        kinds: dict[str, int] = {}
+        for t in self.targets:
+            kinds[t.kind] = kinds.get(t.kind, 0) + (len(t.tracked_names))
+        lines = [
+            f"moe-attrib coverage: {self.coverage:.2%} of trainable parameters attributed "
+            f"({self.tracked_params:,} / {self.total_params - self.excluded_params:,}; "
+            f"embedding tables and never-used expert slots excluded by design, "
+            f"{self.coverage_including_embeddings:.2%} counting them)",
+            f"  tracked modules: {len(self.tracked):,}  ("
+            + ", ".join(f"{k}: {v:,}" for k, v in sorted(kinds.items()))
+            + ")",
+            f"  fused experts modules: {len(self.experts)}"
+            + ("" if self.track_moe_experts or not self.experts else f"  (SKIPPED: pass {TRACK_FLAG})"),
+        ]
+        rows = [(n, self.param_sizes.get(n, 0), r) for n, r in self.skipped.items()]
+        rows += [(n, self.param_sizes.get(n, 0), "excluded: " + r) for n, r in self.excluded.items()]
+        if rows:
+            width = max(len(n) for n, _, _ in rows)
+            lines.append(f"  {'not attributed':<{width}}  {'params':>12}  reason")
+            for n, size, r in sorted(rows, key=lambda x: -x[1]):
+                lines.append(f"  {n:<{width}}  {size:>12,}  {r}")
+        return "\n".join(lines)
+
+
+def _all_params(layout: ExpertsLayout) -> list[str]:
+    names = list(layout.projections)
+    if layout.has_bias:
+        names += [f"{p}_bias" for p in layout.projections if hasattr(layout.module, f"{p}_bias")]
+    return names
+
+
+def discover(model: nn.Module, track_moe_experts: bool = True, warn: bool = True) -> CoverageReport:
+    """Find every attributable module of `model` and account for every trainable parameter.
+
+    With `track_moe_experts=False` on a model with fused experts, a `UserWarning` names the
+    experts modules that will be skipped, the share of parameters lost, and the flag that
+    tracks them.
+    """
+    owner: dict[int, tuple[str, nn.Module, str]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, (ExpertLinear, _ExpertSlot)):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            owner.setdefault(id(p), (mname, module, pname))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    sizes = {n: int(p.numel()) for n, p in params.items()}
+    covered: dict[int, int] = {}  # param id -> elements attributed
+    excluded: dict[str, str] = {}
+    excluded_ids: dict[int, int] = {}
+    targets: list[Target] = []
+    experts: list[ExpertsLayout] = []
+
+    scopes: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for child_name in _children_weights_used(type(module)):
+            child = module._modules.get(child_name)
+            if child is not None:
+                scopes[id(child)] = module
+    for mname, module in model.named_modules():
+        if isinstance(module, (ExpertLinear, _ExpertSlot)):
+            continue
+        layout = experts_layout(mname, module)
+        if layout is not None:
+            experts.append(layout)
+            if track_moe_experts:
+                targets.append(Target(mname, module, "experts", layout.transposed, layout))
+                for pn in _all_params(layout):
+                    p = getattr(module, pn)
+                    used = p.numel() // p.shape[0] * layout.num_experts
+                    covered[id(p)] = used
+                    if used < p.numel():
+                        excluded_ids[id(p)] = p.numel() - used
+            continue
+        groups = grouped_linear_groups(module)
+        if groups is not None:
+            kind, transposed = "grouped_linear", False
+        elif isinstance(module, nn.Linear):
+            kind, transposed = ("router" if _routerish(module) else "linear"), False
+        elif _is_conv1d(module):
+            kind, transposed = "conv1d", True
+        elif _is_router(module):
+            kind, transposed = "router", False
+        else:
+            continue
+        scope = scopes.get(id(module))
+        if scope is None and (kind == "router" or type(module).forward is not nn.Linear.forward) and kind != "conv1d":
+            scope = module  # custom forward: tap the weight's use inside it
+        if scope is not None and scope is not module and _routerish(scope):
+            kind = "router"
+        targets.append(Target(mname, module, kind, transposed, scope=scope))
+        for pn in ("weight", "bias"):
+            p = module._parameters.get(pn)
+            if p is not None:
+                covered[id(p)] = p.numel()
+
+    skipped: dict[str, str] = {}
+    tracked_params = excluded_params = 0
+    for n, p in params.items():
+        done = covered.get(id(p), 0)
+        tracked_params += done
+        mname, module, pname = owner[id(p)]
+        if id(p) in excluded_ids:
+            excluded[n] = (
+                f"{excluded_ids[id(p)]:,} expert slots never used by {type(module).__name__}.forward "
+                "(zero-compute experts); their gradient is always zero"
+            )
+            excluded_params += excluded_ids[id(p)]
+        elif done == 0:
+            if experts_layout_for(experts, module) is not None:
+                skipped[n] = f"fused experts parameter of {type(module).__name__} (tracking off: pass {TRACK_FLAG})"
+            else:
+                reason = _reason(module, pname, p)
+                if reason == EMBEDDING_REASON:
+                    excluded[n] = reason
+                    excluded_params += p.numel()
+                else:
+                    skipped[n] = reason
+
+    tracked = [name for t in targets for name in t.tracked_names]
+    report = CoverageReport(
+        tracked=tracked,
+        skipped=skipped,
+        excluded=excluded,
+        targets=targets,
+        experts=experts,
+        total_params=sum(sizes.values()),
+        tracked_params=tracked_params,
+        excluded_params=excluded_params,
+        param_sizes=sizes,
+        track_moe_experts=track_moe_experts,
+    )
+    if warn and experts and not track_moe_experts:
+        warn_skipped_experts(report)
+    return report
+
+
+def experts_layout_for(experts: list[ExpertsLayout], module: nn.Module) -> ExpertsLayout | None:
+    return next((lay for lay in experts if lay.module is module), None)
+
+
+def warn_skipped_experts(report: CoverageReport) -> None:
+    """The one warning users get when fused experts exist and tracking is off."""
+    lost = report.skipped_experts_params
+    share = lost / report.total_params if report.total_params else 0.0
+    names = [lay.name for lay in report.experts]
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+    warnings.warn(
+        f"moe-attrib: {len(names)} fused experts module(s) will NOT be attributed ({shown}): "
+        f"{lost:,} parameters, {share:.1%} of all trainable parameters. Pass {TRACK_FLAG} "
+        "(track_moe_experts=True in Python) to attribute every expert.",
+        UserWarning,
+        stacklevel=3,
+    )

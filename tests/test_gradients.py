@@ -1,0 +1,163 @@
+"""Per-example gradients against per-sample autograd, every family, exact and projected."""
+
+import pytest
+import torch
+
+import moe_attrib as ma
+from moe_attrib.projection import projection_matrix
+from moe_attrib.zoo import FAMILIES, tiny_model
+from tests.conftest import rel_err
+from tests.reference import reference_gradients
+
+RTOL = 1e-4
+
+
+def _check_exact(model, ids, mask):
+    report = ma.discover(model, track_moe_experts=True)
+    grads = ma.per_example_gradients(model, ids, mask)
+    ref = reference_gradients(model, ids, mask, report.targets)
+    assert set(grads) == set(ref[0]), set(grads) ^ set(ref[0])
+    worst = 0.0
+    for name, value in grads.items():
+        for n in range(ids.shape[0]):
+            expected = ref[n][name]
+            assert value[n].shape == expected.shape, name
+            if expected.norm() == 0:
+                assert value[n].abs().max() < 1e-6, (name, n)
+                continue
+            err = rel_err(value[n], expected)
+            worst = max(worst, err)
+            assert err < RTOL, f"{name}[{n}] relative error {err:.2e}"
+    return grads, report, worst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_matches_per_sample_autograd(family, padded_batch):
+    ids, mask = padded_batch
+    model = tiny_model(family)
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    flags = [p.requires_grad for p in model.parameters()]
+    grads, report, _ = _check_exact(model, ids, mask)
+    # experts, routers and linears are all there, every expert of every layer
+    assert any(".expert_0." in k for k in grads)
+    n_expert_keys = sum(len(lay.expert_names()) for lay in report.experts)
+    assert sum(".expert_" in k and k.endswith(".weight") for k in grads) == n_expert_keys
+    # routing metadata counts real tokens only
+    counts = grads.expert_counts
+    assert counts.shape[:2] == (3, len(report.experts))
+    k = model.config.get_text_config().num_experts_per_tok if family != "hunyuan_v1_moe" else 2
+    routed = counts.sum(dim=2)
+    expected = (mask.sum(1, keepdim=True) * k).float().expand_as(routed)
+    if family == "longcat_flash":  # tokens sent to zero-compute experts are not counted
+        assert (routed <= expected).all() and routed.sum() > 0
+    elif family != "llama4_text":  # llama4 computes every expert on every token (unrouted rows are zero)
+        assert torch.equal(routed, expected)
+    # the model is left exactly as it was
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(before, after)
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert "forward" not in vars(report.experts[0].module)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v4"])
+def test_projected_equals_projected_exact(family, padded_batch):
+    ids, mask = padded_batch
+    model = tiny_model(family)
+    p, seed = 8, 7
+    exact = ma.per_example_gradients(model, ids, mask)
+    proj = ma.per_example_gradients(model, ids, mask, projection_dim=p, seed=seed)
+    report = ma.discover(model)
+    checked = 0
+    for t in report.targets:
+        if t.kind == "experts":
+            lay = t.layout
+            for pr in lay.projections:
+                fin, fout = lay.features(pr)
+                p_in = projection_matrix(f"{lay.name}.{pr}/in", p, fin, seed, lay.num_experts)
+                p_out = projection_matrix(f"{lay.name}.{pr}/out", p, fout, seed, lay.num_experts)
+                for i in range(lay.num_experts):
+                    key = f"{lay.expert_name(i, pr)}.weight"
+                    left, right = (p_in[i], p_out[i]) if lay.transposed else (p_out[i], p_in[i])
+                    expected = left @ exact[key] @ right.T
+                    assert torch.allclose(proj[key], expected, rtol=1e-4, atol=1e-5), key
+                    if lay.has_bias:
+                        bkey = f"{lay.expert_name(i, pr)}.bias"
+                        assert torch.allclose(proj[bkey], exact[bkey] @ p_out[i].T, rtol=1e-4, atol=1e-5)
+                    checked += 1
+        else:
+            w = t.module.weight
+            rows, cols = w.shape
+            fout, fin = (cols, rows) if t.transposed else (rows, cols)
+            p_in = projection_matrix(f"{t.name}/in", p, fin, seed)
+            p_out = projection_matrix(f"{t.name}/out", p, fout, seed)
+            left, right = (p_in, p_out) if t.transposed else (p_out, p_in)
+            key = f"{t.name}.weight"
+            expected = left @ exact[key] @ right.T
+            assert torch.allclose(proj[key], expected, rtol=1e-4, atol=1e-5), key
+            if t.module._parameters.get("bias") is not None:
+                assert torch.allclose(proj[f"{t.name}.bias"], exact[f"{t.name}.bias"] @ p_out.T, rtol=1e-4, atol=1e-5)
+            checked += 1
+    assert checked > 10
+
+
+def test_projection_is_seeded_and_named():
+    a = projection_matrix("model.layers.0.mlp.experts.down_proj/in", 16, 32, seed=3, batch=4)
+    b = projection_matrix("model.layers.0.mlp.experts.down_proj/in", 16, 32, seed=3, batch=4)
+    c = projection_matrix("model.layers.1.mlp.experts.down_proj/in", 16, 32, seed=3, batch=4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert not torch.equal(a[0], a[1])  # experts are projected independently
+
+
+class HashRoutedBlock(torch.nn.Module):
+    """A hand-built MoE block that supplies its own routing: expert = f(token id), never the last."""
+
+    def __init__(self, gate, experts, num_experts):
+        super().__init__()
+        self.gate, self.experts, self.num_experts = gate, experts, num_experts
+        self.input_ids = None
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        flat = hidden_states.reshape(-1, h)
+        logits = torch.nn.functional.linear(flat, self.gate.weight)
+        ids = self.input_ids.reshape(-1)
+        index = torch.stack([ids % (self.num_experts - 1), (ids // 7) % (self.num_experts - 1)], dim=-1)
+        index[:, 1] = torch.where(index[:, 1] == index[:, 0], (index[:, 0] + 1) % (self.num_experts - 1), index[:, 1])
+        weights = torch.softmax(logits, dim=-1).gather(1, index)
+        return self.experts(flat, index, weights).reshape(b, s, h)
+
+
+def test_hand_built_hash_routed_block_and_idle_expert(padded_batch):
+    ids, mask = padded_batch
+    model = tiny_model("qwen3_moe")
+    blocks = []
+    for layer in model.model.layers:
+        block = HashRoutedBlock(layer.mlp.gate, layer.mlp.experts, 8)
+        layer.mlp = block
+        blocks.append(block)
+
+    def set_ids(module, args, kwargs):
+        for b in blocks:
+            b.input_ids = kwargs["input_ids"]
+
+    model.register_forward_pre_hook(set_ids, with_kwargs=True)
+    orig = reference_gradients.__globals__["example_loss"]
+
+    grads, report, worst = _check_exact(model, ids, mask)
+    assert orig is reference_gradients.__globals__["example_loss"]
+    last = "model.layers.0.mlp.experts.expert_7.down_proj.weight"
+    assert grads[last].abs().max() == 0  # the idle expert gets exactly zero
+    assert grads.expert_counts[:, :, 7].sum() == 0
+    assert "model.layers.0.mlp.gate.weight" in grads  # router tapped inside a custom block
+    assert worst < RTOL
+
+
+def test_bf16_gradients_close_to_fp32(padded_batch):
+    ids, mask = padded_batch
+    ref = ma.per_example_gradients(tiny_model("qwen3_moe"), ids, mask, projection_dim=8)
+    low = ma.per_example_gradients(tiny_model("qwen3_moe", dtype=torch.bfloat16), ids, mask, projection_dim=8)
+    errs = [rel_err(low[k], ref[k]) for k in ref if ref[k].norm() > 0]
+    assert all(v.dtype == torch.float32 for v in low.values())
+    assert float(torch.tensor(errs).median()) < 0.05, max(errs)
