@@ -46,7 +46,7 @@ class PerExampleGradients(dict):
 class _Batch:
     n: int
     seq_len: int
-    mask: torch.Tensor | None  # [N * S] bool, True for real tokens
+    mask: torch.Tensor | None  # [N * S] float, 1 for real tokens
 
 
 def example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -147,6 +147,8 @@ class GradientCollector:
         self._results: dict[str, torch.Tensor] = {}
         self._counts: dict[str, torch.Tensor] = {}
         self._verified: set[int] = set()
+        self._exact_lengths = False
+        self._overflow: list[torch.Tensor] = []
 
     # -- installation ---------------------------------------------------------------------
     def __enter__(self) -> GradientCollector:
@@ -309,6 +311,14 @@ class GradientCollector:
         self._verified.add(id(layout.module))
 
     def _routing_grid(self, layout: ExpertsLayout, rows: RoutedRows) -> dict:
+        """Where each routed row goes in the `[E * N, L, .]` grid (computed once per experts call).
+
+        Rows are sorted expert-major then by token, so the rows of one (expert, example) pair
+        are contiguous; a row's slot is its rank inside that run. `L` is the example length, a
+        bound whenever a token picks an expert at most once, so no device sync is needed; a
+        routing that repeats an expert for one token is detected and the batch redone with
+        exact lengths.
+        """
         cache = getattr(rows, "_grid", None)
         if cache is not None:
             return cache
@@ -318,17 +328,21 @@ class GradientCollector:
             raise RuntimeError(f"{layout.name}: {rows.num_tokens} tokens cannot be split into {n} examples.")
         per_example = rows.num_tokens // n
         example = rows.token // per_example
-        valid = rows.expert < e
+        valid = (rows.expert < e) & (rows.expert >= 0)
         seg = torch.where(valid, rows.expert * n + example, e * n)
-        counts = torch.bincount(seg, minlength=e * n + 1)
+        counts = torch.zeros(e * n + 1, dtype=torch.long, device=seg.device).index_add_(0, seg, torch.ones_like(seg))
         starts = torch.cumsum(counts, 0) - counts
         pos = torch.arange(seg.numel(), device=seg.device) - starts[seg]
-        length = max(int(counts[:-1].max().item()) if e * n else 0, 1)
-        flat = torch.where(valid, seg * length + pos, e * n * length)
-        real = torch.ones_like(valid)
+        if self._exact_lengths:
+            length = max(int(counts[:-1].max()) if e * n else 0, 1)
+        else:
+            length = per_example
+            self._overflow.append((pos >= length) & valid)
+        flat = torch.where(valid & (pos < length), seg * length + pos, e * n * length)
+        real = valid.float()
         if batch.mask is not None and rows.num_tokens == batch.mask.numel():
-            real = batch.mask[rows.token]
-        routed = torch.bincount(seg, weights=(real & valid).float(), minlength=e * n + 1)[:-1]
+            real = real * batch.mask[rows.token]
+        routed = torch.zeros(e * n + 1, device=seg.device).index_add_(0, seg, real)[:-1]
         self._counts[layout.name] = routed.view(e, n).t()
         cache = {"flat": flat, "length": length, "segments": e * n}
         rows._grid = cache
@@ -352,11 +366,11 @@ class GradientCollector:
         x = x.detach()
         if self.projection_dim:
             x = grouped_matmul(x, self._projection(pname, "in", in_features, x, batch=e), offsets)
-        gx = self._to_grid(x.float(), grid)
 
         def backward(g: torch.Tensor) -> None:
             if self.projection_dim:
                 g = grouped_matmul(g, self._projection(pname, "out", out_features, g, batch=e), offsets)
+            gx = self._to_grid(x.float(), grid)
             gy = self._to_grid(g.float(), grid)
             w = torch.bmm(gx.transpose(1, 2), gy) if layout.transposed else torch.bmm(gy.transpose(1, 2), gx)
             self._add(f"{pname}.weight", w.view(e, n, *w.shape[1:]).transpose(0, 1))
@@ -371,24 +385,33 @@ class GradientCollector:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        fused_experts: bool = False,
     ) -> PerExampleGradients:
-        """Forward + activation backward on one batch; per-example gradients of every target."""
+        """Forward + activation backward on one batch; per-example gradients of every target.
+
+        With `fused_experts=True` each experts projection comes as one `[N, E, ...]` block keyed
+        `<experts>.<proj>.weight` (what the index stores) instead of one key per expert.
+        """
         n, s = input_ids.shape
-        mask = attention_mask.reshape(-1).bool() if attention_mask is not None else None
+        mask = attention_mask.reshape(-1).to(torch.float32) if attention_mask is not None else None
         self._batch = _Batch(n, s, mask)
-        self._results, self._counts = {}, {}
+        self._results, self._counts, self._overflow = {}, {}, []
         if labels is None:
             labels = default_labels(input_ids, attention_mask)
         try:
             with torch.enable_grad():
                 out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
                 losses = example_losses(out.logits, labels)
+                del out
                 losses.sum().backward()
         finally:
             self._batch = None
-        return self._package(losses.detach(), n)
+        if self._overflow and bool(torch.stack([o.any() for o in self._overflow]).any()):
+            self._exact_lengths = True  # a token picked one expert twice: redo with exact grid lengths
+            return self.collect(input_ids, attention_mask, labels, fused_experts)
+        return self._package(losses.detach(), n, fused_experts)
 
-    def _package(self, losses: torch.Tensor, n: int) -> PerExampleGradients:
+    def _package(self, losses: torch.Tensor, n: int, fused_experts: bool) -> PerExampleGradients:
         result = PerExampleGradients()
         missing = []
         for target in self.report.targets:
@@ -401,6 +424,9 @@ class GradientCollector:
                         if fused is None:
                             missing.append(f"{lay.name}.{proj}")
                             fused = self._zeros_like_expert(lay, proj, key, n, losses.device)
+                        if fused_experts:
+                            result[f"{lay.name}.{proj}.{key}"] = fused
+                            continue
                         for i in range(lay.num_experts):
                             result[f"{lay.expert_name(i, proj)}.{key}"] = fused[:, i]
                 continue

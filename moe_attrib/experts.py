@@ -272,7 +272,9 @@ class RoutedRows:
 def _aligned(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         size = t.element_size()
-        if t.data_ptr() % 16 or any((s * size) % 16 for s, d in zip(t.stride(), t.shape) if d > 1 and s != 1):
+        if t.data_ptr() % 16 or any(
+            (s * size) % 16 for s, d in zip(t.stride(), t.shape, strict=True) if d > 1 and s != 1
+        ):
             return False
     return True
 
@@ -322,12 +324,13 @@ def route_rows(top_k_index: torch.Tensor, num_tokens: int, num_experts: int) -> 
     """Sort (token, slot) pairs expert-major then token-major; returns rows and the slot permutation."""
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1).long()
-    if flat.numel() and (flat.min() < 0 or flat.max() >= num_experts):
-        raise IndexError(f"expert index out of range [0, {num_experts}) in routing")
     token = torch.arange(num_tokens, device=flat.device).repeat_interleave(k)
     key, perm = torch.sort(flat * num_tokens + token)
     expert = key // num_tokens
-    counts = torch.bincount(expert, minlength=num_experts)
+    # index_add_ of ones instead of bincount: bincount's output size is data-dependent (a device sync)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(
+        0, expert, torch.ones_like(expert)
+    )
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     return RoutedRows(expert, key % num_tokens, offsets, num_tokens, num_experts), perm
 

@@ -129,7 +129,7 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     config = tiny_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2 and float(p.abs().max()) == 0.0:
                 p.normal_(0.0, 0.05)
         for name, buf in model.named_buffers():

@@ -1,0 +1,178 @@
+"""Collection step vs plain training step, side by side in one process (run on a GPU).
+
+For each model shape: median wall time of a plain forward + backward training step
+(`experts_implementation="grouped_mm"`, weight gradients computed) and of a moe-attrib
+collection step (every expert, router, attention and lm_head module tracked, projected
+per-example gradients), plus peak GPU memory of each. Reported as ratios.
+
+    python benchmarks/collect_speed.py --out benchmarks/results/collect_speed-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import moe_attrib as ma
+from moe_attrib.collector import GradientCollector, example_losses
+
+SHAPES = {
+    "qwen3-30b-a3b-shaped": (
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            intermediate_size=6144,
+            num_hidden_layers=4,
+            vocab_size=32000,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+    ),
+    "olmoe-1b-7b-shaped": (
+        "olmoe",
+        dict(
+            hidden_size=2048,
+            num_experts=64,
+            num_experts_per_tok=8,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            vocab_size=50304,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+        ),
+    ),
+}
+
+
+def build(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    family, overrides = SHAPES[shape]
+    config = AutoConfig.for_model(family, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="grouped_mm")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+    return model.to(device).eval()
+
+
+def timed(fn, warmup: int, steps: int) -> tuple[float, list[float], int]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times, torch.cuda.max_memory_allocated()
+
+
+def run_shape(shape: str, args) -> dict:
+    model = build(shape, torch.bfloat16, "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.seq_len), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+
+    def plain_step():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+        example_losses(out.logits, labels).sum().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    plain, plain_times, plain_peak = timed(plain_step, args.warmup, args.steps)
+
+    report = ma.discover(model, track_moe_experts=True)
+    with GradientCollector(model, report, projection_dim=args.projection_dim) as collector:
+        grads = collector.collect(ids, mask, labels, fused_experts=True)  # one untimed call, for sanity
+        finite = all(bool(torch.isfinite(v).all()) for v in grads.values())
+        del grads
+        collect, collect_times, collect_peak = timed(
+            lambda: collector.collect(ids, mask, labels, fused_experts=True), args.warmup, args.steps
+        )
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    collector.collect(ids, mask, labels, fused_experts=True)
+                torch.cuda.synchronize()
+            print(f"== {shape}: collection profile (3 steps)")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    params = sum(p.numel() for p in model.parameters())
+    result = {
+        "shape": shape,
+        "family": SHAPES[shape][0],
+        "config": SHAPES[shape][1],
+        "params": params,
+        "tokens": args.batch * args.seq_len,
+        "batch": [args.batch, args.seq_len],
+        "projection_dim": args.projection_dim,
+        "coverage": report.coverage,
+        "tracked_modules": len(report.tracked),
+        "plain_step_median_s": plain,
+        "collect_step_median_s": collect,
+        "time_ratio": collect / plain,
+        "plain_peak_bytes": plain_peak,
+        "collect_peak_bytes": collect_peak,
+        "memory_ratio": collect_peak / plain_peak,
+        "collect_outputs_finite": finite,
+        "plain_times_s": plain_times,
+        "collect_times_s": collect_times,
+    }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq_len", type=int, default=512)
+    parser.add_argument("--projection_dim", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of collection")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("collect_speed.py needs a CUDA GPU")
+    results = []
+    for shape in args.shapes:
+        results.append(run_shape(shape, args))
+        torch.cuda.empty_cache()
+    env = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "python": platform.python_version(),
+        "moe_attrib": ma.__version__,
+    }
+    print(f"{'shape':24s} {'plain ms':>9s} {'collect ms':>11s} {'time ratio':>11s} {'mem ratio':>10s}")
+    for r in results:
+        print(
+            f"{r['shape']:24s} {r['plain_step_median_s'] * 1e3:9.1f} {r['collect_step_median_s'] * 1e3:11.1f} "
+            f"{r['time_ratio']:11.3f} {r['memory_ratio']:10.3f}"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"env": env, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
