@@ -60,12 +60,13 @@ def build(shape: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     family, overrides = SHAPES[shape]
     config = AutoConfig.for_model(family, **overrides)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="grouped_mm")
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02)
-    return model.to(device).eval()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="grouped_mm")
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.02)
+    return model.eval()
 
 
 def timed(fn, warmup: int, steps: int) -> tuple[float, list[float], int]:
@@ -81,6 +82,27 @@ def timed(fn, warmup: int, steps: int) -> tuple[float, list[float], int]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times), times, torch.cuda.max_memory_allocated()
+
+
+def profile_steps(title: str, fn, steps: int = 3) -> None:
+    """Print where CPU and GPU time go (torch.profiler), per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    cpu = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    gpu = sum(e.self_device_time_total for e in events) / steps / 1e3
+    calls = sum(e.count for e in events if e.key.startswith("aten::")) / steps
+    print(f"== {title}: per step self CPU {cpu:.1f} ms, self GPU {gpu:.1f} ms, aten calls {calls:.0f}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args_rows(), max_name_column_width=50))
+
+
+def args_rows() -> int:
+    return 22
 
 
 def run_shape(shape: str, args) -> dict:
@@ -107,14 +129,9 @@ def run_shape(shape: str, args) -> dict:
             lambda: collector.collect(ids, mask, labels, fused_experts=True), args.warmup, args.steps
         )
         if args.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    collector.collect(ids, mask, labels, fused_experts=True)
-                torch.cuda.synchronize()
-            print(f"== {shape}: collection profile (3 steps)")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+            profile_steps(f"{shape} collection", lambda: collector.collect(ids, mask, labels, fused_experts=True))
+    if args.profile:
+        profile_steps(f"{shape} plain step", plain_step)
     params = sum(p.numel() for p in model.parameters())
     result = {
         "shape": shape,

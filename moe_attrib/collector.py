@@ -49,6 +49,19 @@ class _Batch:
     mask: torch.Tensor | None  # [N * S] float, 1 for real tokens
 
 
+@dataclass
+class _Capture:
+    """Rows captured for one target call: inputs `x` (forward) and output gradients `g` (backward)."""
+
+    name: str
+    x: torch.Tensor
+    transposed: bool
+    has_bias: bool
+    g: torch.Tensor | None = None
+    grid: dict | None = None
+    layout: ExpertsLayout | None = None
+
+
 def example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy of each example (`labels` -100 are ignored)."""
     shifted = logits[:, :-1].float()
@@ -149,6 +162,7 @@ class GradientCollector:
         self._verified: set[int] = set()
         self._exact_lengths = False
         self._overflow: list[torch.Tensor] = []
+        self._captures: list[_Capture] = []
 
     # -- installation ---------------------------------------------------------------------
     def __enter__(self) -> GradientCollector:
@@ -239,12 +253,11 @@ class GradientCollector:
         if not isinstance(y, torch.Tensor) or not y.requires_grad:
             return
         name = target.name
-        has_bias = target.module._parameters.get("bias") is not None
         x = self._per_example(x.detach().reshape(-1, x.shape[-1]))
         if self.projection_dim:
-            x = (x @ self._projection(name, "in", x.shape[-1], x)).float()
-        else:
-            x = x.float()
+            x = x @ self._projection(name, "in", x.shape[-1], x)
+        capture = _Capture(name, x.float(), transposed, target.module._parameters.get("bias") is not None)
+        self._captures.append(capture)
 
         def backward(g: torch.Tensor) -> None:
             if out_transposed:
@@ -252,11 +265,7 @@ class GradientCollector:
             g = self._per_example(g.reshape(-1, g.shape[-1]))
             if self.projection_dim:
                 g = g @ self._projection(name, "out", g.shape[-1], g)
-            g = g.float()
-            eq = "nsi,nso->nio" if transposed else "nso,nsi->noi"
-            self._add(f"{name}.weight", torch.einsum(eq, x, g) if transposed else torch.einsum(eq, g, x))
-            if has_bias:
-                self._add(f"{name}.bias", g.sum(dim=1))
+            capture.g = g.float()
 
         y.register_hook(backward)
 
@@ -327,31 +336,30 @@ class GradientCollector:
         if rows.num_tokens % n:
             raise RuntimeError(f"{layout.name}: {rows.num_tokens} tokens cannot be split into {n} examples.")
         per_example = rows.num_tokens // n
-        example = rows.token // per_example
-        valid = (rows.expert < e) & (rows.expert >= 0)
-        seg = torch.where(valid, rows.expert * n + example, e * n)
-        counts = torch.zeros(e * n + 1, dtype=torch.long, device=seg.device).index_add_(0, seg, torch.ones_like(seg))
-        starts = torch.cumsum(counts, 0) - counts
-        pos = torch.arange(seg.numel(), device=seg.device) - starts[seg]
+        seg = rows.expert * n + rows.token // per_example
+        trash = layout.family == "zero_experts"
+        if trash:
+            valid = rows.expert < e
+            seg = torch.where(valid, seg, e * n)
+        pos = torch.arange(seg.numel(), device=seg.device) - torch.searchsorted(seg, seg)
         if self._exact_lengths:
-            length = max(int(counts[:-1].max()) if e * n else 0, 1)
+            length = max(int(pos.max()) + 1 if pos.numel() else 1, 1)
         else:
             length = per_example
-            self._overflow.append((pos >= length) & valid)
-        flat = torch.where(valid & (pos < length), seg * length + pos, e * n * length)
-        real = valid.float()
-        if batch.mask is not None and rows.num_tokens == batch.mask.numel():
-            real = real * batch.mask[rows.token]
+            self._overflow.append(pos.max() - (length - 1) if pos.numel() else pos.new_zeros(()))
+        flat = seg * length + pos
+        if trash:
+            flat = torch.where(valid, flat, -1)
+        real = batch.mask[rows.token] if batch.mask is not None and rows.num_tokens == batch.mask.numel() else None
+        if real is None:
+            real = torch.ones(seg.shape, device=seg.device)
+        if trash:
+            real = real * valid
         routed = torch.zeros(e * n + 1, device=seg.device).index_add_(0, seg, real)[:-1]
         self._counts[layout.name] = routed.view(e, n).t()
-        cache = {"flat": flat, "length": length, "segments": e * n}
+        cache = {"flat": flat, "length": length, "segments": e * n, "trash": trash}
         rows._grid = cache
         return cache
-
-    def _to_grid(self, values: torch.Tensor, grid: dict) -> torch.Tensor:
-        out = values.new_zeros(grid["segments"] * grid["length"] + 1, values.shape[-1])
-        out.index_copy_(0, grid["flat"], values)
-        return out[:-1].view(grid["segments"], grid["length"], values.shape[-1])
 
     def _experts_sink(
         self, layout: ExpertsLayout, proj: str, x: torch.Tensor, y: torch.Tensor, rows: RoutedRows
@@ -359,25 +367,85 @@ class GradientCollector:
         if not y.requires_grad:
             return
         grid = self._routing_grid(layout, rows)
-        e, n = layout.num_experts, self._batch.n
+        e = layout.num_experts
         offsets = rows.offsets[:e]
         pname = f"{layout.name}.{proj}"
         in_features, out_features = layout.features(proj)
         x = x.detach()
         if self.projection_dim:
             x = grouped_matmul(x, self._projection(pname, "in", in_features, x, batch=e), offsets)
+        capture = _Capture(pname, x.float(), layout.transposed, layout.bias(proj) is not None, grid=grid, layout=layout)
+        self._captures.append(capture)
 
         def backward(g: torch.Tensor) -> None:
             if self.projection_dim:
                 g = grouped_matmul(g, self._projection(pname, "out", out_features, g, batch=e), offsets)
-            gx = self._to_grid(x.float(), grid)
-            gy = self._to_grid(g.float(), grid)
-            w = torch.bmm(gx.transpose(1, 2), gy) if layout.transposed else torch.bmm(gy.transpose(1, 2), gx)
-            self._add(f"{pname}.weight", w.view(e, n, *w.shape[1:]).transpose(0, 1))
-            if layout.bias(proj) is not None:
-                self._add(f"{pname}.bias", gy.sum(dim=1).view(e, n, -1).transpose(0, 1))
+            capture.g = g.float()
 
         y.register_hook(backward)
+
+    # -- forming per-example gradients ------------------------------------------------------
+    def _form(self) -> None:
+        """Turn the captured rows into per-example gradients, one batched matmul per group.
+
+        Captures whose rows have the same widths, layout orientation and grid shape are formed
+        together: dense targets as `[T * N, S, .]` batches, experts by concatenating every
+        layer's routed rows into one `[sum E * N, L, .]` grid.
+        """
+        groups: dict[tuple, list[_Capture]] = {}
+        for c in self._captures:
+            if c.g is None:
+                continue
+            kind = ("experts", c.grid["length"]) if c.grid is not None else ("dense", c.x.shape[1])
+            groups.setdefault((*kind, c.transposed, c.x.shape[-1], c.g.shape[-1]), []).append(c)
+        for key, caps in groups.items():
+            if key[0] == "dense":
+                self._form_dense(caps)
+            else:
+                self._form_experts(caps, key[1])
+        self._captures = []
+
+    def _form_dense(self, caps: list[_Capture]) -> None:
+        x = torch.cat([c.x for c in caps]) if len(caps) > 1 else caps[0].x
+        g = torch.cat([c.g for c in caps]) if len(caps) > 1 else caps[0].g
+        left, right = (x, g) if caps[0].transposed else (g, x)
+        w = torch.bmm(left.transpose(1, 2), right)
+        bias = g.sum(dim=1) if any(c.has_bias for c in caps) else None
+        n = self._batch.n
+        for i, c in enumerate(caps):
+            self._add(f"{c.name}.weight", w[i * n : (i + 1) * n])
+            if c.has_bias:
+                self._add(f"{c.name}.bias", bias[i * n : (i + 1) * n])
+
+    def _form_experts(self, caps: list[_Capture], length: int) -> None:
+        flats, base = [], 0
+        total = sum(c.grid["segments"] for c in caps)
+        trash = total * length
+        for c in caps:
+            flat = c.grid["flat"] + base * length
+            if c.grid["trash"]:
+                flat = torch.where(c.grid["flat"] < 0, trash, flat)
+            flats.append(flat)
+            base += c.grid["segments"]
+        flat = torch.cat(flats) if len(flats) > 1 else flats[0]
+
+        def grid(values: torch.Tensor) -> torch.Tensor:
+            out = values.new_zeros(trash + 1, values.shape[-1])
+            out.index_copy_(0, flat, values)
+            return out[:-1].view(total, length, values.shape[-1])
+
+        gx = grid(torch.cat([c.x for c in caps]) if len(caps) > 1 else caps[0].x)
+        gy = grid(torch.cat([c.g for c in caps]) if len(caps) > 1 else caps[0].g)
+        left, right = (gx, gy) if caps[0].transposed else (gy, gx)
+        w = torch.bmm(left.transpose(1, 2), right)
+        bias = gy.sum(dim=1) if any(c.has_bias for c in caps) else None
+        n, start = self._batch.n, 0
+        for c in caps:
+            e, stop = c.layout.num_experts, start + c.grid["segments"]
+            self._add(f"{c.name}.weight", w[start:stop].view(e, n, *w.shape[1:]).transpose(0, 1))
+            if c.has_bias:
+                self._add(f"{c.name}.bias", bias[start:stop].view(e, n, -1).transpose(0, 1))
+            start = stop
 
     # -- one batch --------------------------------------------------------------------------
     def collect(
@@ -395,7 +463,7 @@ class GradientCollector:
         n, s = input_ids.shape
         mask = attention_mask.reshape(-1).to(torch.float32) if attention_mask is not None else None
         self._batch = _Batch(n, s, mask)
-        self._results, self._counts, self._overflow = {}, {}, []
+        self._results, self._counts, self._overflow, self._captures = {}, {}, [], []
         if labels is None:
             labels = default_labels(input_ids, attention_mask)
         try:
@@ -404,9 +472,11 @@ class GradientCollector:
                 losses = example_losses(out.logits, labels)
                 del out
                 losses.sum().backward()
+            self._form()
         finally:
             self._batch = None
-        if self._overflow and bool(torch.stack([o.any() for o in self._overflow]).any()):
+            self._captures = []
+        if self._overflow and int(torch.stack(self._overflow).max()) > 0:
             self._exact_lengths = True  # a token picked one expert twice: redo with exact grid lengths
             return self.collect(input_ids, attention_mask, labels, fused_experts)
         return self._package(losses.detach(), n, fused_experts)

@@ -327,11 +327,9 @@ def route_rows(top_k_index: torch.Tensor, num_tokens: int, num_experts: int) -> 
     token = torch.arange(num_tokens, device=flat.device).repeat_interleave(k)
     key, perm = torch.sort(flat * num_tokens + token)
     expert = key // num_tokens
-    # index_add_ of ones instead of bincount: bincount's output size is data-dependent (a device sync)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(
-        0, expert, torch.ones_like(expert)
-    )
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    # searchsorted on the sorted keys, not bincount: bincount's output size needs a device sync
+    bounds = torch.arange(1, num_experts + 1, device=flat.device) * num_tokens
+    offsets = torch.searchsorted(key, bounds, out_int32=True)
     return RoutedRows(expert, key % num_tokens, offsets, num_tokens, num_experts), perm
 
 
