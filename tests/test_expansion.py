@@ -102,3 +102,18 @@ def test_report_prints_table():
     report = ma.discover(tiny_model("qwen3_moe"))
     text = str(report)
     assert "coverage" in text and "excluded" in text and "embed_tokens" in text
+
+
+def test_dbrx_experts_are_reported_not_skipped():
+    from transformers.models.dbrx import configuration_dbrx, modeling_dbrx
+
+    config = configuration_dbrx.DbrxConfig(
+        d_model=32,
+        n_heads=4,
+        n_layers=1,
+        vocab_size=64,
+        ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0},
+    )
+    with pytest.raises(ma.LayoutError, match="DbrxExpertGLU"):
+        ma.discover(modeling_dbrx.DbrxForCausalLM(config))
