@@ -1,8 +1,10 @@
 """moe-attrib: per-example gradient attribution for Mixture-of-Experts language models."""
 
+from moe_attrib.build import build_index
 from moe_attrib.collector import GradientCollector, PerExampleGradients, per_example_gradients
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
+from moe_attrib.index import Index, IndexFileError, load_index
 
 __version__ = "0.1.0"
 
@@ -10,11 +12,15 @@ __all__ = [
     "CoverageReport",
     "ExpertLinear",
     "GradientCollector",
+    "Index",
+    "IndexFileError",
     "LayoutError",
     "PerExampleGradients",
     "__version__",
+    "build_index",
     "discover",
     "expand_moe",
+    "load_index",
     "per_example_gradients",
     "restore_moe",
     "track_moe_experts",

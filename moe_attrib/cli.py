@@ -9,9 +9,16 @@ import warnings
 import torch
 
 
-def load_model(spec: str, dtype: str = "fp32") -> torch.nn.Module:
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    if precision == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if bf16 else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def load_model(spec: str, dtype: str | torch.dtype = "fp32") -> torch.nn.Module:
     """`tiny:<family>` (a bundled tiny random model), a local `save_pretrained` directory or a hub id."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_precision(dtype, torch.device("cpu"))
     if spec.startswith("tiny:"):
         from moe_attrib.zoo import tiny_model
 
@@ -52,6 +59,60 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_tokenizer(spec: str):
+    if spec.startswith("tiny:"):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError):
+        return None  # pretokenized data still works; text data raises a DataError naming the row
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from moe_attrib.build import build_index
+    from moe_attrib.data import DataError, load_examples
+    from moe_attrib.distributed import setup
+    from moe_attrib.experts import LayoutError
+    from moe_attrib.index import IndexFileError
+
+    dist = setup(args.device)
+    try:
+        tokenizer = load_tokenizer(args.model)
+        examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate)
+        model = load_model(args.model, resolve_precision(args.precision, dist.device)).to(dist.device)
+        pad = getattr(tokenizer, "pad_token_id", None) or 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            path = build_index(
+                model,
+                examples,
+                args.index,
+                model_name=args.model,
+                track_moe_experts=args.track_moe_experts,
+                projection_dim=args.projection_dim,
+                seed=args.seed,
+                expert_blocks=args.expert_blocks,
+                token_batch_size=args.token_batch_size,
+                filter_modules=args.filter_modules,
+                resume=args.resume,
+                pad_id=pad,
+                extra_settings={"data": str(args.data), "max_length": args.max_length, "truncate": args.truncate},
+                dist=dist,
+                progress=not args.quiet,
+            )
+        for w in caught:
+            if dist.is_main and issubclass(w.category, UserWarning) and "moe-attrib" in str(w.message):
+                print(f"NOTE: {w.message}", file=sys.stderr)
+    except (DataError, IndexFileError, LayoutError, ValueError) as err:
+        print(f"moe-attrib build: error: {err}", file=sys.stderr)
+        return 2
+    if dist.is_main:
+        print(f"index written to {path} ({len(examples)} rows)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-attrib", description="Per-example gradient attribution for Mixture-of-Experts language models."
@@ -62,6 +123,25 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--track_moe_experts", action="store_true", help="attribute every expert of fused MoE layers")
     inspect.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     inspect.set_defaults(func=cmd_inspect)
+
+    build = sub.add_parser("build", help="per-example projected gradients of a dataset, written to an index")
+    build.add_argument("model", help="tiny:<family>, a save_pretrained directory, or a hub id")
+    build.add_argument("data", help="JSONL / text file (one example per line), a datasets directory, or a hub name")
+    build.add_argument("--index", required=True, help="output directory (written as DIR.part, renamed when done)")
+    build.add_argument("--track_moe_experts", action="store_true", help="attribute every expert of fused MoE layers")
+    build.add_argument("--projection_dim", type=int, default=16)
+    build.add_argument("--seed", type=int, default=0, help="projection seed")
+    build.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    build.add_argument("--token_batch_size", type=int, default=8192, help="padded tokens per batch")
+    build.add_argument("--max_length", type=int, default=None, help="longest example allowed (see --truncate)")
+    build.add_argument("--truncate", action="store_true", help="cut examples longer than --max_length")
+    build.add_argument("--text_field", default="text")
+    build.add_argument("--filter_modules", default=None, help="glob over module names, e.g. '*.mlp.*'")
+    build.add_argument("--expert_blocks", default="separate", choices=["separate", "sum"])
+    build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
+    build.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
+    build.add_argument("--quiet", action="store_true", help="no progress bar")
+    build.set_defaults(func=cmd_build)
     return parser
 
 

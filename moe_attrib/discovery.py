@@ -8,6 +8,7 @@ nothing is skipped silently.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import inspect
 import re
@@ -151,12 +152,15 @@ def _all_params(layout: ExpertsLayout) -> list[str]:
     return names
 
 
-def discover(model: nn.Module, track_moe_experts: bool = True, warn: bool = True) -> CoverageReport:
+def discover(
+    model: nn.Module, track_moe_experts: bool = True, warn: bool = True, filter_modules: str | None = None
+) -> CoverageReport:
     """Find every attributable module of `model` and account for every trainable parameter.
 
     With `track_moe_experts=False` on a model with fused experts, a `UserWarning` names the
     experts modules that will be skipped, the share of parameters lost, and the flag that
-    tracks them.
+    tracks them. `filter_modules` (a glob, e.g. `*.mlp.*`) keeps only targets whose module name
+    or one of whose per-expert names matches; the rest are reported as filtered out.
     """
     owner: dict[int, tuple[str, nn.Module, str]] = {}
     for mname, module in model.named_modules(remove_duplicate=False):
@@ -215,6 +219,15 @@ def discover(model: nn.Module, track_moe_experts: bool = True, warn: bool = True
             if p is not None:
                 covered[id(p)] = p.numel()
 
+    if filter_modules is not None:
+        kept = [t for t in targets if any(fnmatch.fnmatchcase(n, filter_modules) for n in [t.name, *t.tracked_names])]
+        dropped = {id(p) for t in targets if t not in kept for p in _target_params(t)}
+        covered = {k: v for k, v in covered.items() if k not in dropped}
+        targets = kept
+        filtered_ids = dropped
+    else:
+        filtered_ids = set()
+
     skipped: dict[str, str] = {}
     tracked_params = excluded_params = 0
     for n, p in params.items():
@@ -228,7 +241,9 @@ def discover(model: nn.Module, track_moe_experts: bool = True, warn: bool = True
             )
             excluded_params += excluded_ids[id(p)]
         elif done == 0:
-            if experts_layout_for(experts, module) is not None:
+            if id(p) in filtered_ids:
+                skipped[n] = f"not matched by --filter_modules {filter_modules!r}"
+            elif experts_layout_for(experts, module) is not None:
                 skipped[n] = f"fused experts parameter of {type(module).__name__} (tracking off: pass {TRACK_FLAG})"
             else:
                 reason = _reason(module, pname, p)
@@ -254,6 +269,12 @@ def discover(model: nn.Module, track_moe_experts: bool = True, warn: bool = True
     if warn and experts and not track_moe_experts:
         warn_skipped_experts(report)
     return report
+
+
+def _target_params(t: Target) -> list[torch.Tensor]:
+    if t.layout is not None:
+        return [getattr(t.module, n) for n in _all_params(t.layout)]
+    return [p for p in (t.module._parameters.get("weight"), t.module._parameters.get("bias")) if p is not None]
 
 
 def experts_layout_for(experts: list[ExpertsLayout], module: nn.Module) -> ExpertsLayout | None:

@@ -108,7 +108,9 @@ FAMILY_OVERRIDES: dict[str, dict] = {
     "flex_olmo": {},
 }
 
+DENSE_FAMILIES = {"llama": {}}  # non-MoE reference, for "no fused experts" paths
 FAMILIES = list(FAMILY_OVERRIDES)
+FAMILY_OVERRIDES.update(DENSE_FAMILIES)
 
 
 def tiny_config(family: str, **overrides) -> PretrainedConfig:
@@ -137,3 +139,27 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
                 experts = model.config.get_text_config().num_local_experts
                 buf.copy_(torch.stack([torch.randperm(experts)[: buf.shape[1]] for _ in range(buf.shape[0])]))
     return model.eval()
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 512):
+    """A word-level tokenizer trained offline on `texts` (no downloads), as a transformers tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "<s>", "</s>", "<unk>"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=special))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def save_tiny(directory: str, family: str, texts: list[str], seed: int = 0, **overrides) -> None:
+    """Save a tiny random `family` model with a tokenizer trained on `texts` (`save_pretrained` layout)."""
+    tokenizer = train_tokenizer(texts)
+    vocab = max(len(tokenizer), 8)
+    model = tiny_model(family, seed=seed, vocab_size=vocab, **overrides)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)

@@ -1,0 +1,112 @@
+"""Build a gradient index over a dataset: batches -> collector -> on-disk rows (resumable, data parallel)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+from torch import nn
+from tqdm.auto import tqdm
+
+from moe_attrib.collector import GradientCollector
+from moe_attrib.data import Example, collate, fingerprint, token_batches
+from moe_attrib.discovery import discover
+from moe_attrib.distributed import Dist
+from moe_attrib.index import FORMAT_VERSION, IndexWriter, column_plan, flatten_batch
+
+
+def build_index(
+    model: nn.Module,
+    examples: list[Example],
+    index: str | Path,
+    *,
+    model_name: str = "",
+    track_moe_experts: bool = True,
+    projection_dim: int = 16,
+    seed: int = 0,
+    expert_blocks: str = "separate",
+    token_batch_size: int = 8192,
+    filter_modules: str | None = None,
+    resume: bool = False,
+    pad_id: int = 0,
+    extra_settings: dict | None = None,
+    dist: Dist | None = None,
+    progress: bool = True,
+) -> Path:
+    """Per-example projected gradients of every example, one index row each (row = example index).
+
+    Batches are formed by token budget and written as they finish; with `resume=True` an
+    interrupted build continues where it stopped. Under torchrun each rank takes every
+    `world`-th batch and writes its own rows; rank 0 moves the finished index into place.
+    """
+    from moe_attrib import __version__
+
+    dist = dist or Dist(0, 1, next(model.parameters()).device)
+    report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
+    if track_moe_experts and not report.experts and dist.is_main:
+        warnings.warn(
+            "moe-attrib: --track_moe_experts: this model has no fused experts modules; building a dense index.",
+            UserWarning,
+            stacklevel=2,
+        )
+    if not report.targets:
+        raise ValueError(f"no module to attribute (filter_modules={filter_modules!r} matched nothing?)")
+    blocks = column_plan(report, projection_dim, expert_blocks)
+    batches = token_batches(examples, token_batch_size)
+    layers = len(report.experts) if track_moe_experts else 0
+    width = max((lay.num_experts for lay in report.experts), default=0) if track_moe_experts else 0
+    settings = {
+        "model": model_name,
+        "data_fingerprint": fingerprint(examples),
+        "rows": len(examples),
+        "projection_dim": projection_dim,
+        "seed": seed,
+        "expert_blocks": expert_blocks,
+        "track_moe_experts": track_moe_experts,
+        "filter_modules": filter_modules,
+        "token_batch_size": token_batch_size,
+        "dtype": str(next(model.parameters()).dtype),
+        **(extra_settings or {}),
+    }
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "moe_attrib_version": __version__,
+        "complete": False,
+        "rows": len(examples),
+        "dim": blocks[-1].stop,
+        "settings": settings,
+        "coverage": report.coverage,
+        "blocks": [{"name": b.name, "start": b.start, "stop": b.stop, "shape": list(b.shape)} for b in blocks],
+        "expert_layers": [lay.name for lay in report.experts] if track_moe_experts else [],
+        "example_ids": [ex.index for ex in examples],
+        "num_batches": len(batches),
+    }
+    shape = dict(rows=len(examples), dim=blocks[-1].stop, layers=layers, experts=width, num_batches=len(batches))
+    if dist.is_main:
+        writer = IndexWriter(index, manifest, resume=resume, **shape)
+    dist.barrier()
+    if not dist.is_main:
+        writer = IndexWriter(index, manifest, create=False, **shape)
+
+    mine = [b for b in range(len(batches)) if b % dist.world == dist.rank and not writer.is_done(b)]
+    tokens = sum(len(examples[i].input_ids) for b in mine for i in batches[b])
+    bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc=f"build rank {dist.rank}", disable=not progress)
+    start = time.perf_counter()
+    with GradientCollector(model, report, projection_dim=projection_dim, seed=seed) as collector:
+        for b in mine:
+            ids, mask = collate(examples, batches[b], pad_id)
+            out = collector.collect(ids.to(dist.device), mask.to(dist.device), fused_experts=True)
+            rows = flatten_batch(out, report, blocks, expert_blocks)
+            counts = out.expert_counts.float().cpu().numpy() if layers else np.zeros((len(rows), 0, 0), np.float32)
+            writer.write(b, np.asarray(batches[b]), rows, out.losses.float().cpu().numpy(), counts)
+            bar.update(int(mask.sum()))
+            bar.set_postfix(tok_s=f"{bar.n / max(time.perf_counter() - start, 1e-9):,.0f}")
+    bar.close()
+    dist.barrier()
+    final = Path(index)
+    if dist.is_main:
+        final = writer.finish()
+    dist.barrier()
+    return final

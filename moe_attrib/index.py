@@ -1,0 +1,243 @@
+"""The on-disk gradient index: a memory-mapped `[rows, dim]` matrix plus manifest, losses and counts.
+
+A build writes under `DIR.part` and renames it to `DIR` only when every batch is written, so a
+directory named `DIR` is always complete. `done.npy` records finished batches; an interrupted
+build resumes from it and ends with the same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moe_attrib.discovery import CoverageReport
+
+FORMAT_VERSION = 1
+
+
+class IndexFileError(RuntimeError):
+    """A missing, incomplete or corrupt index, or a build that cannot continue as asked."""
+
+
+@dataclass
+class Block:
+    """Columns `[start, stop)` of the index holding one projected gradient block."""
+
+    name: str
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+
+
+def column_plan(report: CoverageReport, projection_dim: int, expert_blocks: str) -> list[Block]:
+    """Column blocks in target order: each weight is p*p columns, each bias p.
+
+    `expert_blocks="separate"` gives every expert its own blocks
+    (`<experts>.expert_<i>.<proj>.weight`); `"sum"` sums a layer's independently projected
+    experts into one block per projection (`<experts>.<proj>.weight`).
+    """
+    if expert_blocks not in ("separate", "sum"):
+        raise ValueError(f"expert_blocks must be 'separate' or 'sum', not {expert_blocks!r}")
+    p = projection_dim
+    blocks: list[Block] = []
+    col = 0
+
+    def add(name: str, shape: tuple[int, ...]) -> None:
+        nonlocal col
+        size = int(np.prod(shape))
+        blocks.append(Block(name, col, col + size, shape))
+        col += size
+
+    for t in report.targets:
+        if t.kind == "experts":
+            lay = t.layout
+            for proj in lay.projections:
+                keys = ["weight"] + (["bias"] if lay.bias(proj) is not None else [])
+                for key in keys:
+                    shape = (p, p) if key == "weight" else (p,)
+                    if expert_blocks == "sum":
+                        add(f"{lay.name}.{proj}.{key}", shape)
+                    else:
+                        for i in range(lay.num_experts):
+                            add(f"{lay.expert_name(i, proj)}.{key}", shape)
+        else:
+            add(f"{t.name}.weight", (p, p))
+            if t.module._parameters.get("bias") is not None:
+                add(f"{t.name}.bias", (p,))
+    return blocks
+
+
+def flatten_batch(grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str) -> np.ndarray:
+    """`[N, dim]` float32 rows from a `collect(..., fused_experts=True)` result, in plan order."""
+    parts = []
+    for t in report.targets:
+        if t.kind == "experts":
+            lay = t.layout
+            for proj in lay.projections:
+                keys = ["weight"] + (["bias"] if lay.bias(proj) is not None else [])
+                for key in keys:
+                    fused = grads[f"{lay.name}.{proj}.{key}"]  # [N, E, ...]
+                    fused = fused.sum(dim=1) if expert_blocks == "sum" else fused
+                    parts.append(fused.reshape(fused.shape[0], -1))
+        else:
+            parts.append(grads[f"{t.name}.weight"].reshape(grads[f"{t.name}.weight"].shape[0], -1))
+            if t.module._parameters.get("bias") is not None:
+                parts.append(grads[f"{t.name}.bias"])
+    import torch
+
+    rows = torch.cat(parts, dim=1).float().cpu().numpy()
+    if rows.shape[1] != blocks[-1].stop:
+        raise IndexFileError(f"internal: batch has {rows.shape[1]} columns, the plan {blocks[-1].stop}")
+    return rows
+
+
+def part_dir(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".part")
+
+
+class IndexWriter:
+    """Writes rows of a build into `DIR.part`; several processes may write disjoint rows."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        manifest: dict,
+        rows: int,
+        dim: int,
+        layers: int,
+        experts: int,
+        num_batches: int,
+        resume: bool = False,
+        create: bool = True,
+    ):
+        self.final = Path(path)
+        self.dir = part_dir(path)
+        if create:
+            self._prepare(manifest, rows, dim, layers, experts, num_batches, resume)
+        self._open()
+
+    def _prepare(self, manifest, rows, dim, layers, experts, num_batches, resume) -> None:
+        if self.final.exists():
+            raise IndexFileError(f"{self.final} already exists; remove it or choose another --index.")
+        if self.dir.exists():
+            if not resume:
+                raise IndexFileError(
+                    f"{self.dir} holds an interrupted build; pass --resume to continue it or delete it to start over."
+                )
+            old = json.loads((self.dir / "manifest.json").read_text())
+            diff = sorted(
+                k
+                for k in set(old["settings"]) | set(manifest["settings"])
+                if old["settings"].get(k) != manifest["settings"].get(k)
+            )
+            if diff:
+                details = "; ".join(
+                    f"{k}: index {old['settings'].get(k)!r} vs now {manifest['settings'].get(k)!r}" for k in diff
+                )
+                raise IndexFileError(f"cannot resume {self.dir}: settings differ ({details}).")
+            return
+        self.dir.mkdir(parents=True)
+        np.lib.format.open_memmap(self.dir / "gradients.npy", mode="w+", dtype=np.float32, shape=(rows, dim)).flush()
+        np.lib.format.open_memmap(self.dir / "losses.npy", mode="w+", dtype=np.float32, shape=(rows,)).flush()
+        np.lib.format.open_memmap(
+            self.dir / "expert_counts.npy", mode="w+", dtype=np.float32, shape=(rows, layers, experts)
+        ).flush()
+        np.lib.format.open_memmap(self.dir / "done.npy", mode="w+", dtype=np.uint8, shape=(num_batches,)).flush()
+        _write_json(self.dir / "manifest.json", manifest)
+
+    def _open(self) -> None:
+        self.gradients = np.load(self.dir / "gradients.npy", mmap_mode="r+")
+        self.losses = np.load(self.dir / "losses.npy", mmap_mode="r+")
+        self.counts = np.load(self.dir / "expert_counts.npy", mmap_mode="r+")
+        self.done = np.load(self.dir / "done.npy", mmap_mode="r+")
+
+    def is_done(self, batch: int) -> bool:
+        return bool(self.done[batch])
+
+    def write(self, batch: int, rows: np.ndarray, gradients: np.ndarray, losses: np.ndarray, counts: np.ndarray):
+        """Write one batch's rows, flush, and only then mark the batch done."""
+        order = np.argsort(rows)
+        rows, gradients, losses, counts = rows[order], gradients[order], losses[order], counts[order]
+        self.gradients[rows] = gradients
+        self.losses[rows] = losses
+        self.counts[rows, : counts.shape[1], : counts.shape[2]] = counts
+        for arr in (self.gradients, self.losses, self.counts):
+            arr.flush()
+        self.done[batch] = 1
+        self.done.flush()
+
+    def finish(self) -> Path:
+        """Check every batch is written, mark the manifest complete and move `DIR.part` to `DIR`."""
+        if not self.done.all():
+            missing = np.flatnonzero(self.done == 0)
+            raise IndexFileError(
+                f"{self.dir}: batches {missing[:10].tolist()} were never written; rerun with --resume."
+            )
+        manifest = json.loads((self.dir / "manifest.json").read_text())
+        manifest["complete"] = True
+        _write_json(self.dir / "manifest.json", manifest)
+        del self.gradients, self.losses, self.counts, self.done
+        os.replace(self.dir, self.final)
+        return self.final
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+@dataclass
+class Index:
+    """A finished index: `gradients` is a read-only memmap `[rows, dim]`."""
+
+    path: Path
+    manifest: dict
+    gradients: np.ndarray
+    losses: np.ndarray
+    expert_counts: np.ndarray
+
+    @property
+    def blocks(self) -> list[Block]:
+        return [Block(b["name"], b["start"], b["stop"], tuple(b["shape"])) for b in self.manifest["blocks"]]
+
+
+def load_index(path: str | Path) -> Index:
+    """Open a finished index; a missing, incomplete or corrupt one is a clear `IndexFileError`."""
+    path = Path(path)
+    if not path.exists():
+        if part_dir(path).exists():
+            raise IndexFileError(f"{path} is incomplete ({part_dir(path)} exists): finish the build with --resume.")
+        raise IndexFileError(f"{path}: no such index.")
+    manifest_path = path / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise IndexFileError(f"{manifest_path}: missing or unreadable manifest ({err}).") from err
+    if not manifest.get("complete"):
+        raise IndexFileError(f"{path}: the manifest does not mark the build complete.")
+    try:
+        gradients = np.load(path / "gradients.npy", mmap_mode="r")
+        losses = np.load(path / "losses.npy", mmap_mode="r")
+        counts = np.load(path / "expert_counts.npy", mmap_mode="r")
+    except (OSError, ValueError) as err:
+        raise IndexFileError(f"{path}: corrupt index file ({err}).") from err
+    rows, dim = manifest["rows"], manifest["dim"]
+    if gradients.shape != (rows, dim) or losses.shape != (rows,) or counts.shape[0] != rows:
+        raise IndexFileError(
+            f"{path}: corrupt index: gradients {gradients.shape}, losses {losses.shape} but the manifest says "
+            f"{rows} rows x {dim} columns."
+        )
+    return Index(path, manifest, gradients, losses, counts)
+
+
+def remove_index(path: str | Path) -> None:
+    for p in (Path(path), part_dir(path)):
+        if p.exists():
+            shutil.rmtree(p)
