@@ -29,6 +29,7 @@ def build_index(
     expert_blocks: str = "separate",
     token_batch_size: int = 8192,
     filter_modules: str | None = None,
+    attribute_tokens: bool = False,
     resume: bool = False,
     pad_id: int = 0,
     extra_settings: dict | None = None,
@@ -40,6 +41,8 @@ def build_index(
     Batches are formed by token budget and written as they finish; with `resume=True` an
     interrupted build continues where it stopped. Under torchrun each rank takes every
     `world`-th batch and writes its own rows; rank 0 moves the finished index into place.
+    With `attribute_tokens=True` there is one row per token (token t's share of its example's
+    gradient; rows of example i are `token_offsets[i]:token_offsets[i + 1]`).
     """
     from moe_attrib import __version__
 
@@ -67,14 +70,19 @@ def build_index(
         "track_moe_experts": track_moe_experts,
         "filter_modules": filter_modules,
         "token_batch_size": token_batch_size,
+        "attribute_tokens": attribute_tokens,
         "dtype": str(next(model.parameters()).dtype),
         **(extra_settings or {}),
     }
+    lengths = np.array([len(ex.input_ids) for ex in examples], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]) if attribute_tokens else None
+    num_rows = int(offsets[-1]) if attribute_tokens else len(examples)
     manifest = {
         "format_version": FORMAT_VERSION,
         "moe_attrib_version": __version__,
         "complete": False,
-        "rows": len(examples),
+        "rows": num_rows,
+        "examples": len(examples),
         "dim": blocks[-1].stop,
         "settings": settings,
         "coverage": report.coverage,
@@ -83,9 +91,16 @@ def build_index(
         "example_ids": [ex.index for ex in examples],
         "num_batches": len(batches),
     }
-    shape = dict(rows=len(examples), dim=blocks[-1].stop, layers=layers, experts=width, num_batches=len(batches))
+    shape = dict(
+        rows=num_rows,
+        dim=blocks[-1].stop,
+        layers=layers,
+        experts=width,
+        num_batches=len(batches),
+        examples=len(examples),
+    )
     if dist.is_main:
-        writer = IndexWriter(index, manifest, resume=resume, **shape)
+        writer = IndexWriter(index, manifest, resume=resume, token_offsets=offsets, **shape)
     dist.barrier()
     if not dist.is_main:
         writer = IndexWriter(index, manifest, create=False, **shape)
@@ -97,10 +112,22 @@ def build_index(
     with GradientCollector(model, report, projection_dim=projection_dim, seed=seed) as collector:
         for b in mine:
             ids, mask = collate(examples, batches[b], pad_id)
-            out = collector.collect(ids.to(dist.device), mask.to(dist.device), fused_experts=True)
-            rows = flatten_batch(out, report, blocks, expert_blocks)
-            counts = out.expert_counts.float().cpu().numpy() if layers else np.zeros((len(rows), 0, 0), np.float32)
-            writer.write(b, np.asarray(batches[b]), rows, out.losses.float().cpu().numpy(), counts)
+            out = collector.collect(
+                ids.to(dist.device),
+                mask.to(dist.device),
+                fused_experts=True,
+                per_token=attribute_tokens,
+                expert_blocks=expert_blocks,
+            )
+            grads = flatten_batch(out, report, blocks, expert_blocks, per_token=attribute_tokens)
+            members = np.asarray(batches[b])
+            if attribute_tokens:
+                rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members])
+                grads = np.concatenate([grads[n, : lengths[i]] for n, i in enumerate(members)])
+            else:
+                rows = members
+            counts = out.expert_counts.float().cpu().numpy() if layers else np.zeros((len(members), 0, 0), np.float32)
+            writer.write(b, members, rows, grads, out.losses.float().cpu().numpy(), counts)
             bar.update(int(mask.sum()))
             bar.set_postfix(tok_s=f"{bar.n / max(time.perf_counter() - start, 1e-9):,.0f}")
     bar.close()

@@ -96,6 +96,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 expert_blocks=args.expert_blocks,
                 token_batch_size=args.token_batch_size,
                 filter_modules=args.filter_modules,
+                attribute_tokens=args.attribute_tokens,
                 resume=args.resume,
                 pad_id=pad,
                 extra_settings={"data": str(args.data), "max_length": args.max_length, "truncate": args.truncate},
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--text_field", default="text")
     build.add_argument("--filter_modules", default=None, help="glob over module names, e.g. '*.mlp.*'")
     build.add_argument("--expert_blocks", default="separate", choices=["separate", "sum"])
+    build.add_argument("--attribute_tokens", action="store_true", help="one row per token instead of per example")
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
     build.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     build.add_argument("--quiet", action="store_true", help="no progress bar")

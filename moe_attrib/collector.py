@@ -161,6 +161,8 @@ class GradientCollector:
         self._counts: dict[str, torch.Tensor] = {}
         self._verified: set[int] = set()
         self._exact_lengths = False
+        self.expert_blocks = "separate"
+        self._tokens = 0
         self._overflow: list[torch.Tensor] = []
         self._captures: list[_Capture] = []
 
@@ -285,10 +287,12 @@ class GradientCollector:
             if self.projection_dim:
                 p_out = self._projection(name, "out", out, g).view(groups, out // groups, -1)
                 g = torch.einsum("nsgo,gop->nsgp", g, p_out).float()
-                self._add(f"{name}.weight", torch.einsum("nsgp,nsgq->npq", g, x))
+                eq = "nsgp,nsgq->nspq" if self._tokens else "nsgp,nsgq->npq"
+                self._add(f"{name}.weight", torch.einsum(eq, g, x))
             else:
-                w = torch.einsum("nsgo,nsgi->ngoi", g.float(), x)
-                self._add(f"{name}.weight", w.reshape(w.shape[0], out, -1))
+                eq = "nsgo,nsgi->nsgoi" if self._tokens else "nsgo,nsgi->ngoi"
+                w = torch.einsum(eq, g.float(), x)
+                self._add(f"{name}.weight", w.reshape(*w.shape[: 2 if self._tokens else 1], out, -1))
 
         y.register_hook(backward)
 
@@ -357,7 +361,7 @@ class GradientCollector:
             real = real * valid
         routed = torch.zeros(e * n + 1, device=seg.device).index_add_(0, seg, real)[:-1]
         self._counts[layout.name] = routed.view(e, n).t()
-        cache = {"flat": flat, "length": length, "segments": e * n, "trash": trash}
+        cache = {"flat": flat, "length": length, "segments": e * n, "trash": trash, "rows": rows}
         rows._grid = cache
         return cache
 
@@ -385,6 +389,44 @@ class GradientCollector:
         y.register_hook(backward)
 
     # -- forming per-example gradients ------------------------------------------------------
+    def _form_tokens(self) -> None:
+        """Per-token rows: token t's share `outer(dy_t, x_t)` of every target, summing to the example's."""
+        n, s = self._batch.n, self._batch.seq_len
+        for c in self._captures:
+            if c.g is None:
+                continue
+            if c.grid is None:
+                left, right = (c.x, c.g) if c.transposed else (c.g, c.x)
+                self._add(f"{c.name}.weight", torch.einsum("nsa,nsb->nsab", left, right))
+                if c.has_bias:
+                    self._add(f"{c.name}.bias", c.g)
+                continue
+            rows, lay = c.grid["rows"], c.layout
+            left, right = (c.x, c.g) if c.transposed else (c.g, c.x)
+            outer = torch.einsum("ra,rb->rab", left, right)
+            valid = rows.expert < lay.num_experts  # zero-compute expert rows hold no gradient
+            outer = torch.where(valid.view(-1, 1, 1), outer, 0.0)
+            bias = torch.where(valid.view(-1, 1), c.g, 0.0) if c.has_bias else None
+            per_token = rows.num_tokens // n
+            if per_token != s:
+                raise RuntimeError(f"{lay.name}: per-token attribution needs one row per token position.")
+            if self.expert_blocks == "sum":
+                slot = rows.slot
+                for key, val in (("weight", outer), ("bias", bias)):
+                    if val is None:
+                        continue
+                    full = val.new_zeros(rows.num_tokens * rows.slots, *val.shape[1:]).index_copy_(0, slot, val)
+                    self._add(f"{c.name}.{key}", full.view(n, s, rows.slots, *val.shape[1:]).sum(dim=2))
+            else:
+                e = lay.num_experts
+                place = rows.token * e + rows.expert.clamp(max=e - 1)
+                for key, val in (("weight", outer), ("bias", bias)):
+                    if val is None:
+                        continue
+                    full = val.new_zeros(rows.num_tokens * e, *val.shape[1:]).index_add_(0, place, val)
+                    self._add(f"{c.name}.{key}", full.view(n, s, e, *val.shape[1:]))
+        self._captures = []
+
     def _form(self) -> None:
         """Turn the captured rows into per-example gradients, one batched matmul per group.
 
@@ -454,12 +496,21 @@ class GradientCollector:
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         fused_experts: bool = False,
+        per_token: bool = False,
+        expert_blocks: str = "separate",
     ) -> PerExampleGradients:
         """Forward + activation backward on one batch; per-example gradients of every target.
 
         With `fused_experts=True` each experts projection comes as one `[N, E, ...]` block keyed
         `<experts>.<proj>.weight` (what the index stores) instead of one key per expert.
+        With `per_token=True` (implies fused blocks) every tensor gains a token axis after N:
+        token t's share `outer(dy_t, x_t)`, so the tokens of an example sum to its gradient; an
+        experts block is `[N, S, E, ...]`, or `[N, S, ...]` summed over the experts the token was
+        routed to with `expert_blocks="sum"`.
         """
+        self.expert_blocks = expert_blocks
+        self._tokens = input_ids.shape[1] if per_token else 0
+        fused_experts = fused_experts or per_token
         n, s = input_ids.shape
         mask = attention_mask.reshape(-1).to(torch.float32) if attention_mask is not None else None
         self._batch = _Batch(n, s, mask)
@@ -472,13 +523,13 @@ class GradientCollector:
                 losses = example_losses(out.logits, labels)
                 del out
                 losses.sum().backward()
-            self._form()
+            self._form_tokens() if per_token else self._form()
         finally:
             self._batch = None
             self._captures = []
         if self._overflow and int(torch.stack(self._overflow).max()) > 0:
             self._exact_lengths = True  # a token picked one expert twice: redo with exact grid lengths
-            return self.collect(input_ids, attention_mask, labels, fused_experts)
+            return self.collect(input_ids, attention_mask, labels, fused_experts, per_token, expert_blocks)
         return self._package(losses.detach(), n, fused_experts)
 
     def _package(self, losses: torch.Tensor, n: int, fused_experts: bool) -> PerExampleGradients:
@@ -531,11 +582,16 @@ class GradientCollector:
         p = self.projection_dim
         if p:
             shape = (p, p) if key == "weight" else (p,)
-        return torch.zeros(n, *shape, device=device)
+        lead = (n, self._tokens) if self._tokens else (n,)
+        return torch.zeros(*lead, *shape, device=device)
 
     def _zeros_like_expert(self, lay: ExpertsLayout, proj: str, key: str, n: int, device) -> torch.Tensor:
         shape = lay.param(proj).shape[1:] if key == "weight" else lay.bias(proj).shape[1:]
-        return self._zeros(shape, key, n, device).unsqueeze(1).repeat(1, lay.num_experts, *([1] * len(shape)))
+        zeros = self._zeros(shape, key, n, device)
+        if self._tokens and self.expert_blocks == "sum":
+            return zeros
+        axis = 2 if self._tokens else 1
+        return zeros.unsqueeze(axis).repeat_interleave(lay.num_experts, dim=axis)
 
 
 def per_example_gradients(

@@ -259,7 +259,8 @@ class RoutedRows:
     """Rows of one experts call, sorted expert-major then by token.
 
     `expert[r]`, `token[r]`: expert and flat token of row r; `offsets`: cumulative rows per
-    expert (int32, as grouped_mm takes them); `num_tokens`: tokens in the call.
+    expert (int32, as grouped_mm takes them); `num_tokens`: tokens in the call; `slot[r]`: the
+    row's position in the unsorted `[tokens * slots]` order; `slots`: routing slots per token.
     """
 
     expert: torch.Tensor
@@ -267,6 +268,8 @@ class RoutedRows:
     offsets: torch.Tensor
     num_tokens: int
     num_experts: int
+    slot: torch.Tensor | None = None
+    slots: int = 1
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
@@ -330,7 +333,7 @@ def route_rows(top_k_index: torch.Tensor, num_tokens: int, num_experts: int) -> 
     # searchsorted on the sorted keys, not bincount: bincount's output size needs a device sync
     bounds = torch.arange(1, num_experts + 1, device=flat.device) * num_tokens
     offsets = torch.searchsorted(key, bounds, out_int32=True)
-    return RoutedRows(expert, key % num_tokens, offsets, num_tokens, num_experts), perm
+    return RoutedRows(expert, key % num_tokens, offsets, num_tokens, num_experts, perm, k), perm
 
 
 def grouped_experts_forward(
@@ -385,7 +388,8 @@ def prerouted_experts_forward(layout: ExpertsLayout, hidden_states: torch.Tensor
     expert = torch.arange(num_experts, device=device).repeat_interleave(num_tokens)
     token = torch.arange(num_tokens, device=device).repeat(num_experts)
     offsets = torch.arange(1, num_experts + 1, device=device, dtype=torch.int32) * num_tokens
-    rows = RoutedRows(expert, token, offsets, num_tokens, num_experts)
+    slot = token * num_experts + expert
+    rows = RoutedRows(expert, token, offsets, num_tokens, num_experts, slot, num_experts)
     up_name, down_name = layout.projections
     up_w, down_w = layout.param(up_name), layout.param(down_name)
     if not layout.transposed:

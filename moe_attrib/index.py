@@ -72,8 +72,14 @@ def column_plan(report: CoverageReport, projection_dim: int, expert_blocks: str)
     return blocks
 
 
-def flatten_batch(grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str) -> np.ndarray:
-    """`[N, dim]` float32 rows from a `collect(..., fused_experts=True)` result, in plan order."""
+def flatten_batch(
+    grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, per_token: bool = False
+) -> np.ndarray:
+    """Rows in plan order from a `collect(..., fused_experts=True)` result: `[N, dim]`, or
+    `[N, S, dim]` for a `per_token=True` result (whose experts are already summed for "sum")."""
+    import torch
+
+    lead = 2 if per_token else 1
     parts = []
     for t in report.targets:
         if t.kind == "experts":
@@ -81,17 +87,17 @@ def flatten_batch(grads: dict, report: CoverageReport, blocks: list[Block], expe
             for proj in lay.projections:
                 keys = ["weight"] + (["bias"] if lay.bias(proj) is not None else [])
                 for key in keys:
-                    fused = grads[f"{lay.name}.{proj}.{key}"]  # [N, E, ...]
-                    fused = fused.sum(dim=1) if expert_blocks == "sum" else fused
-                    parts.append(fused.reshape(fused.shape[0], -1))
+                    fused = grads[f"{lay.name}.{proj}.{key}"]  # [N, (S,) E, ...]
+                    if expert_blocks == "sum" and not per_token:
+                        fused = fused.sum(dim=1)
+                    parts.append(fused.reshape(*fused.shape[:lead], -1))
         else:
-            parts.append(grads[f"{t.name}.weight"].reshape(grads[f"{t.name}.weight"].shape[0], -1))
-            if t.module._parameters.get("bias") is not None:
-                parts.append(grads[f"{t.name}.bias"])
-    import torch
-
-    rows = torch.cat(parts, dim=1).float().cpu().numpy()
-    if rows.shape[1] != blocks[-1].stop:
+            for key in ("weight", "bias"):
+                if t.module._parameters.get(key) is not None:
+                    value = grads[f"{t.name}.{key}"]
+                    parts.append(value.reshape(*value.shape[:lead], -1))
+    rows = torch.cat(parts, dim=-1).float().cpu().numpy()
+    if rows.shape[-1] != blocks[-1].stop:
         raise IndexFileError(f"internal: batch has {rows.shape[1]} columns, the plan {blocks[-1].stop}")
     return rows
 
@@ -115,14 +121,17 @@ class IndexWriter:
         num_batches: int,
         resume: bool = False,
         create: bool = True,
+        examples: int | None = None,
+        token_offsets: np.ndarray | None = None,
     ):
+        self.examples = rows if examples is None else examples
         self.final = Path(path)
         self.dir = part_dir(path)
         if create:
-            self._prepare(manifest, rows, dim, layers, experts, num_batches, resume)
+            self._prepare(manifest, rows, dim, layers, experts, num_batches, resume, token_offsets)
         self._open()
 
-    def _prepare(self, manifest, rows, dim, layers, experts, num_batches, resume) -> None:
+    def _prepare(self, manifest, rows, dim, layers, experts, num_batches, resume, token_offsets) -> None:
         if self.final.exists():
             raise IndexFileError(f"{self.final} already exists; remove it or choose another --index.")
         if self.dir.exists():
@@ -144,10 +153,13 @@ class IndexWriter:
             return
         self.dir.mkdir(parents=True)
         np.lib.format.open_memmap(self.dir / "gradients.npy", mode="w+", dtype=np.float32, shape=(rows, dim)).flush()
-        np.lib.format.open_memmap(self.dir / "losses.npy", mode="w+", dtype=np.float32, shape=(rows,)).flush()
+        examples = self.examples
+        np.lib.format.open_memmap(self.dir / "losses.npy", mode="w+", dtype=np.float32, shape=(examples,)).flush()
         np.lib.format.open_memmap(
-            self.dir / "expert_counts.npy", mode="w+", dtype=np.float32, shape=(rows, layers, experts)
+            self.dir / "expert_counts.npy", mode="w+", dtype=np.float32, shape=(examples, layers, experts)
         ).flush()
+        if token_offsets is not None:
+            np.save(self.dir / "token_offsets.npy", token_offsets)
         np.lib.format.open_memmap(self.dir / "done.npy", mode="w+", dtype=np.uint8, shape=(num_batches,)).flush()
         _write_json(self.dir / "manifest.json", manifest)
 
@@ -160,13 +172,22 @@ class IndexWriter:
     def is_done(self, batch: int) -> bool:
         return bool(self.done[batch])
 
-    def write(self, batch: int, rows: np.ndarray, gradients: np.ndarray, losses: np.ndarray, counts: np.ndarray):
-        """Write one batch's rows, flush, and only then mark the batch done."""
+    def write(
+        self,
+        batch: int,
+        examples: np.ndarray,
+        rows: np.ndarray,
+        gradients: np.ndarray,
+        losses: np.ndarray,
+        counts: np.ndarray,
+    ):
+        """Write one batch (gradient `rows`, per-example `losses`/`counts` of `examples`), flush,
+        and only then mark the batch done."""
         order = np.argsort(rows)
-        rows, gradients, losses, counts = rows[order], gradients[order], losses[order], counts[order]
-        self.gradients[rows] = gradients
-        self.losses[rows] = losses
-        self.counts[rows, : counts.shape[1], : counts.shape[2]] = counts
+        self.gradients[rows[order]] = gradients[order]
+        order = np.argsort(examples)
+        self.losses[examples[order]] = losses[order]
+        self.counts[examples[order], : counts.shape[1], : counts.shape[2]] = counts[order]
         for arr in (self.gradients, self.losses, self.counts):
             arr.flush()
         self.done[batch] = 1
@@ -202,6 +223,7 @@ class Index:
     gradients: np.ndarray
     losses: np.ndarray
     expert_counts: np.ndarray
+    token_offsets: np.ndarray | None = None  # --attribute_tokens: rows of example i are [o[i], o[i+1])
 
     @property
     def blocks(self) -> list[Block]:
@@ -228,13 +250,21 @@ def load_index(path: str | Path) -> Index:
         counts = np.load(path / "expert_counts.npy", mmap_mode="r")
     except (OSError, ValueError) as err:
         raise IndexFileError(f"{path}: corrupt index file ({err}).") from err
-    rows, dim = manifest["rows"], manifest["dim"]
-    if gradients.shape != (rows, dim) or losses.shape != (rows,) or counts.shape[0] != rows:
+    rows, dim, examples = manifest["rows"], manifest["dim"], manifest["examples"]
+    if gradients.shape != (rows, dim) or losses.shape != (examples,) or counts.shape[0] != examples:
         raise IndexFileError(
             f"{path}: corrupt index: gradients {gradients.shape}, losses {losses.shape} but the manifest says "
-            f"{rows} rows x {dim} columns."
+            f"{rows} rows x {dim} columns for {examples} examples."
         )
-    return Index(path, manifest, gradients, losses, counts)
+    offsets = None
+    if manifest["settings"].get("attribute_tokens"):
+        try:
+            offsets = np.load(path / "token_offsets.npy")
+        except OSError as err:
+            raise IndexFileError(f"{path}: corrupt index: token_offsets.npy missing ({err}).") from err
+        if offsets.shape != (examples + 1,) or offsets[-1] != rows:
+            raise IndexFileError(f"{path}: corrupt index: token_offsets.npy does not match {rows} rows.")
+    return Index(path, manifest, gradients, losses, counts, offsets)
 
 
 def remove_index(path: str | Path) -> None:

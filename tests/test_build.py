@@ -213,3 +213,31 @@ def test_corrupt_index_is_a_clear_error(model_dir, tmp_path):
     (index / "manifest.json").write_text("{")
     with pytest.raises(IndexFileError, match="manifest"):
         load_index(index)
+
+
+@pytest.mark.parametrize("blocks", ["separate", "sum"])
+def test_attribute_tokens_rows_sum_to_examples_and_follow_routing(model_dir, tmp_path, blocks):
+    common = [model_dir, CORPUS, "--track_moe_experts", "--projection_dim", 4, "--token_batch_size", 128]
+    build(*common, "--expert_blocks", blocks, "--index", tmp_path / "ex")
+    build(*common, "--expert_blocks", blocks, "--index", tmp_path / "tok", "--attribute_tokens")
+    ex, tok = load_index(tmp_path / "ex"), load_index(tmp_path / "tok")
+    offsets = tok.token_offsets
+    assert tok.gradients.shape[0] == offsets[-1] and len(offsets) == 49
+    summed = np.stack([np.asarray(tok.gradients[offsets[i] : offsets[i + 1]]).sum(0) for i in range(48)])
+    assert np.allclose(summed, ex.gradients, rtol=1e-4, atol=1e-5)
+    if blocks == "sum":
+        return
+    # a token's expert blocks are nonzero only for the experts the router sent it to
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tok_ids = load_examples(str(CORPUS), AutoTokenizer.from_pretrained(model_dir))[5].input_ids
+    routed = {}
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda m, a, out: routed.update(idx=out[2]))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([tok_ids]))
+    layer0 = {b.name: b for b in tok.blocks if b.name.startswith("model.layers.0.mlp.experts.expert_")}
+    for t in range(len(tok_ids) - 1):  # the last token has no next-token loss
+        row = np.asarray(tok.gradients[offsets[5] + t])
+        for e in range(8):
+            block = layer0[f"model.layers.0.mlp.experts.expert_{e}.down_proj.weight"]
+            nonzero = np.abs(row[block.start : block.stop]).max() > 0
+            assert nonzero == (e in routed["idx"][t].tolist()), (t, e)
