@@ -114,6 +114,42 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ekfac(args: argparse.Namespace) -> int:
+    from moe_attrib.data import DataError, load_examples
+    from moe_attrib.distributed import setup
+    from moe_attrib.ekfac import FactorMemoryError, fit_ekfac
+    from moe_attrib.experts import LayoutError
+
+    dist = setup(args.device)
+    try:
+        tokenizer = load_tokenizer(args.model)
+        examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate)
+        model = load_model(args.model, resolve_precision(args.precision, dist.device)).to(dist.device)
+        fit_ekfac(
+            model,
+            examples,
+            track_moe_experts=args.track_moe_experts,
+            filter_modules=args.filter_modules,
+            projection_dim=args.projection_dim,
+            seed=args.seed,
+            damping=args.damping,
+            sampled_labels=args.sampled_labels,
+            token_batch_size=args.token_batch_size,
+            pad_id=getattr(tokenizer, "pad_token_id", None) or 0,
+            max_memory_gib=args.max_factor_memory,
+            factor_device=args.factor_device or dist.device,
+            dist=dist,
+            out=args.out,
+            progress=not args.quiet,
+        )
+    except (DataError, LayoutError, FactorMemoryError, ValueError) as err:
+        print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
+        return 2
+    if dist.is_main:
+        print(f"EK-FAC factors written to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-attrib", description="Per-example gradient attribution for Mixture-of-Experts language models."
@@ -144,6 +180,27 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     build.add_argument("--quiet", action="store_true", help="no progress bar")
     build.set_defaults(func=cmd_build)
+
+    ekfac = sub.add_parser("ekfac", help="fit EK-FAC factors (per expert, routers, dense modules)")
+    ekfac.add_argument("model")
+    ekfac.add_argument("data")
+    ekfac.add_argument("--out", required=True, help="output directory (safetensors + ekfac.json)")
+    ekfac.add_argument("--track_moe_experts", action="store_true")
+    ekfac.add_argument("--filter_modules", default=None)
+    ekfac.add_argument("--projection_dim", type=int, default=None, help="fit factors in the projected space")
+    ekfac.add_argument("--seed", type=int, default=0, help="projection seed (and label sampling)")
+    ekfac.add_argument("--damping", type=float, default=0.1, help="relative damping: x mean(corrected eigenvalue)")
+    ekfac.add_argument("--sampled_labels", action="store_true", help="true Fisher: labels drawn from the model")
+    ekfac.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    ekfac.add_argument("--token_batch_size", type=int, default=8192)
+    ekfac.add_argument("--max_length", type=int, default=None)
+    ekfac.add_argument("--truncate", action="store_true")
+    ekfac.add_argument("--text_field", default="text")
+    ekfac.add_argument("--max_factor_memory", type=float, default=None, help="GiB; refuse to fit above it")
+    ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")
+    ekfac.add_argument("--device", default=None)
+    ekfac.add_argument("--quiet", action="store_true")
+    ekfac.set_defaults(func=cmd_ekfac)
     return parser
 
 

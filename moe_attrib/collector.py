@@ -147,8 +147,15 @@ class GradientCollector:
         track_moe_experts: bool = True,
         projection_dim: int | None = None,
         seed: int = 0,
+        projector: Callable | None = None,
+        row_sink: Callable | None = None,
     ):
+        """`projector(name, side, features, like, batch)` replaces the seeded random projections
+        (EK-FAC uses it to rotate rows into its eigenbases); `row_sink(captures, batch)` receives
+        the captured rows instead of forming per-example gradients (EK-FAC's covariances)."""
         self.model = model
+        self.projector = projector
+        self.row_sink = row_sink
         self.report = report if report is not None else discover(model, track_moe_experts=track_moe_experts)
         self.projection_dim = projection_dim
         self.seed = seed
@@ -228,7 +235,13 @@ class GradientCollector:
             )
 
     # -- helpers ----------------------------------------------------------------------------
+    @property
+    def _projecting(self) -> bool:
+        return bool(self.projection_dim) or self.projector is not None
+
     def _projection(self, name: str, side: str, features: int, like: torch.Tensor, batch: int | None = None):
+        if self.projector is not None:
+            return self.projector(name, side, features, like, batch)
         if self._proj is None or self._proj.device != like.device or self._proj.dtype != like.dtype:
             self._proj = Projections(self.projection_dim, self.seed, like.device, like.dtype)
         return self._proj.get(name, side, features, batch)
@@ -256,7 +269,7 @@ class GradientCollector:
             return
         name = target.name
         x = self._per_example(x.detach().reshape(-1, x.shape[-1]))
-        if self.projection_dim:
+        if self._projecting:
             x = x @ self._projection(name, "in", x.shape[-1], x)
         capture = _Capture(name, x.float(), transposed, target.module._parameters.get("bias") is not None)
         self._captures.append(capture)
@@ -265,7 +278,7 @@ class GradientCollector:
             if out_transposed:
                 g = g.transpose(-1, -2)
             g = self._per_example(g.reshape(-1, g.shape[-1]))
-            if self.projection_dim:
+            if self._projecting:
                 g = g @ self._projection(name, "out", g.shape[-1], g)
             capture.g = g.float()
 
@@ -277,14 +290,14 @@ class GradientCollector:
         name, groups = target.name, grouped_linear_groups(target.module)
         x = self._per_example(x.detach().reshape(-1, groups, x.shape[-1]))
         out = target.module.weight.shape[0]
-        if self.projection_dim:
+        if self._projecting:
             x = (x @ self._projection(name, "in", x.shape[-1], x)).float()
         else:
             x = x.float()
 
         def backward(g: torch.Tensor) -> None:
             g = self._per_example(g.reshape(-1, groups, g.shape[-1]))
-            if self.projection_dim:
+            if self._projecting:
                 p_out = self._projection(name, "out", out, g).view(groups, out // groups, -1)
                 g = torch.einsum("nsgo,gop->nsgp", g, p_out).float()
                 eq = "nsgp,nsgq->nspq" if self._tokens else "nsgp,nsgq->npq"
@@ -376,13 +389,13 @@ class GradientCollector:
         pname = f"{layout.name}.{proj}"
         in_features, out_features = layout.features(proj)
         x = x.detach()
-        if self.projection_dim:
+        if self._projecting:
             x = grouped_matmul(x, self._projection(pname, "in", in_features, x, batch=e), offsets)
         capture = _Capture(pname, x.float(), layout.transposed, layout.bias(proj) is not None, grid=grid, layout=layout)
         self._captures.append(capture)
 
         def backward(g: torch.Tensor) -> None:
-            if self.projection_dim:
+            if self._projecting:
                 g = grouped_matmul(g, self._projection(pname, "out", out_features, g, batch=e), offsets)
             capture.g = g.float()
 
@@ -498,6 +511,7 @@ class GradientCollector:
         fused_experts: bool = False,
         per_token: bool = False,
         expert_blocks: str = "separate",
+        sample_labels: bool = False,
     ) -> PerExampleGradients:
         """Forward + activation backward on one batch; per-example gradients of every target.
 
@@ -506,7 +520,8 @@ class GradientCollector:
         With `per_token=True` (implies fused blocks) every tensor gains a token axis after N:
         token t's share `outer(dy_t, x_t)`, so the tokens of an example sum to its gradient; an
         experts block is `[N, S, E, ...]`, or `[N, S, ...]` summed over the experts the token was
-        routed to with `expert_blocks="sum"`.
+        routed to with `expert_blocks="sum"`. `sample_labels=True` draws next tokens from the
+        model's own predictions (the true Fisher's labels) instead of using the data's.
         """
         self.expert_blocks = expert_blocks
         self._tokens = input_ids.shape[1] if per_token else 0
@@ -520,16 +535,31 @@ class GradientCollector:
         try:
             with torch.enable_grad():
                 out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                if sample_labels:
+                    probs = torch.softmax(out.logits.detach().float(), dim=-1)
+                    drawn = torch.multinomial(probs.view(-1, probs.shape[-1]), 1).view(n, s)
+                    labels = torch.where(labels == -100, -100, torch.roll(drawn, 1, dims=1))
                 losses = example_losses(out.logits, labels)
                 del out
                 losses.sum().backward()
-            self._form_tokens() if per_token else self._form()
+            if self.row_sink is not None:
+                self.row_sink(self._captures, self._batch)
+            elif per_token:
+                self._form_tokens()
+            else:
+                self._form()
         finally:
             self._batch = None
             self._captures = []
         if self._overflow and int(torch.stack(self._overflow).max()) > 0:
             self._exact_lengths = True  # a token picked one expert twice: redo with exact grid lengths
-            return self.collect(input_ids, attention_mask, labels, fused_experts, per_token, expert_blocks)
+            return self.collect(
+                input_ids, attention_mask, labels, fused_experts, per_token, expert_blocks, sample_labels
+            )
+        if self.row_sink is not None:
+            result = PerExampleGradients()
+            result.losses, result.expert_counts, result.expert_layers = losses.detach(), None, []
+            return result
         return self._package(losses.detach(), n, fused_experts)
 
     def _package(self, losses: torch.Tensor, n: int, fused_experts: bool) -> PerExampleGradients:

@@ -1,0 +1,326 @@
+"""EK-FAC factors for every tracked module, each expert separately, routers and dense modules.
+
+Pass 1 accumulates, per target, the activation covariance `A = E[x x^T]` and the
+output-gradient covariance `G = E[g g^T]` over real tokens; an expert's factors use only the
+rows routed to it. Both are eigendecomposed in float64. Pass 2 rotates every example's gradient
+into the Kronecker eigenbasis (the rotation is applied to the captured rows, so no full
+per-example gradient is ever formed) and averages its squares: the corrected eigenvalues
+`Lambda`. A gradient `W` (stored orientation `[rows, cols]`) is preconditioned as
+`Q_r [(Q_r^T W Q_c) / (Lambda + damping)] Q_c^T`.
+
+With `projection_dim=p` the factors live in the projected space (the covariances of the
+projected rows, p x p each), matching the rows of an index built with the same projection.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from moe_attrib.collector import GradientCollector, _Batch, _Capture
+from moe_attrib.data import Example, collate, token_batches
+from moe_attrib.discovery import CoverageReport, discover
+from moe_attrib.distributed import Dist
+from moe_attrib.projection import Projections
+
+DEFAULT_DAMPING = 0.1
+
+
+class FactorMemoryError(MemoryError):
+    """The factors of the requested modules do not fit the memory budget."""
+
+
+@dataclass
+class Factor:
+    """EK-FAC factors of one target (an experts projection carries a leading expert axis)."""
+
+    name: str
+    transposed: bool
+    experts: int | None
+    A: torch.Tensor  # [(E,) a, a] input side
+    G: torch.Tensor  # [(E,) g, g] output side
+    tokens: torch.Tensor  # [(E,)]
+    QA: torch.Tensor | None = None
+    QG: torch.Tensor | None = None
+    eigA: torch.Tensor | None = None
+    eigG: torch.Tensor | None = None
+    lam: torch.Tensor | None = None  # [(E,) rows, cols] corrected eigenvalues, stored orientation
+    examples: int = 0
+    damping: torch.Tensor | None = None  # [(E,)]
+
+    @property
+    def rows_cols(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eigenbases for the stored orientation's rows and columns."""
+        return (self.QA, self.QG) if self.transposed else (self.QG, self.QA)
+
+    def kfac_eigenvalues(self) -> torch.Tensor:
+        """K-FAC's eigenvalues in the stored orientation, scaled to per-example gradients."""
+        per_example = (self.tokens / max(self.examples, 1)).view(*self.tokens.shape, 1, 1)
+        a, g = self.eigA.unsqueeze(-2), self.eigG.unsqueeze(-1)  # g x a
+        lam = g * a
+        lam = lam.transpose(-1, -2) if self.transposed else lam
+        return lam * per_example
+
+    def precondition(self, grad: torch.Tensor, eigenvalues: torch.Tensor | None = None) -> torch.Tensor:
+        """Preconditioned gradient(s) `[..., (E,) rows, cols]` in the stored orientation."""
+        qr, qc = self.rows_cols
+        lam = self.lam if eigenvalues is None else eigenvalues
+        damp = self.damping.view(*self.damping.shape, 1, 1)
+        g = grad.to(qr.dtype)
+        rotated = qr.transpose(-1, -2) @ g @ qc
+        return (qr @ (rotated / (lam + damp)) @ qc.transpose(-1, -2)).to(grad.dtype)
+
+
+@dataclass
+class EKFAC:
+    factors: dict[str, Factor] = field(default_factory=dict)
+    projection_dim: int | None = None
+    seed: int = 0
+    settings: dict = field(default_factory=dict)
+
+    def precondition(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        return self.factors[name].precondition(grad)
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors, meta = {}, {}
+        for name, f in self.factors.items():
+            meta[name] = {"transposed": f.transposed, "experts": f.experts, "examples": f.examples}
+            for key in ("A", "G", "tokens", "QA", "QG", "eigA", "eigG", "lam", "damping"):
+                value = getattr(f, key)
+                if value is not None:
+                    tensors[f"{name}::{key}"] = value.contiguous().cpu()
+        save_file(tensors, str(path / "factors.safetensors"))
+        info = {"projection_dim": self.projection_dim, "seed": self.seed, "settings": self.settings, "factors": meta}
+        (path / "ekfac.json").write_text(json.dumps(info, indent=2))
+
+
+def load_ekfac(path: str | Path, device: str | torch.device = "cpu") -> EKFAC:
+    """Load factors saved by `fit_ekfac(..., out=...)` / `moe-attrib ekfac`."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        info = json.loads((path / "ekfac.json").read_text())
+        tensors = load_file(str(path / "factors.safetensors"), device=str(device))
+    except (OSError, json.JSONDecodeError) as err:
+        raise FileNotFoundError(f"{path}: not an EK-FAC directory ({err}).") from err
+    out = EKFAC(projection_dim=info["projection_dim"], seed=info["seed"], settings=info["settings"])
+    for name, meta in info["factors"].items():
+        get = {k.split("::", 1)[1]: v for k, v in tensors.items() if k.split("::", 1)[0] == name}
+        out.factors[name] = Factor(
+            name, meta["transposed"], meta["experts"], get["A"], get["G"], get["tokens"],
+            get.get("QA"), get.get("QG"), get.get("eigA"), get.get("eigG"), get.get("lam"),
+            meta["examples"], get.get("damping"),
+        )  # fmt: skip
+    return out
+
+
+def _dims(report: CoverageReport, p: int | None) -> list[tuple[str, bool, int | None, int, int]]:
+    """(name, transposed, experts, input dim, output dim) of every factor."""
+    out = []
+    for t in report.targets:
+        if t.kind == "experts":
+            lay = t.layout
+            for proj in lay.projections:
+                fin, fout = lay.features(proj)
+                out.append((f"{lay.name}.{proj}", lay.transposed, lay.num_experts, p or fin, p or fout))
+        else:
+            if t.kind == "grouped_linear":
+                continue  # reported by memory_plan
+            rows, cols = t.module.weight.shape
+            fin, fout = (rows, cols) if t.transposed else (cols, rows)
+            out.append((t.name, t.transposed, None, p or fin, p or fout))
+    return out
+
+
+def memory_plan(report: CoverageReport, projection_dim: int | None) -> dict:
+    """Bytes of float64 factors (A, G, eigenbases, eigenvalues, Lambda) per module kind and in total."""
+    kinds = {t.name if t.kind != "experts" else f"{t.layout.name}": t.kind for t in report.targets}
+    per_kind: dict[str, int] = {}
+    for name, _transposed, experts, a, g in _dims(report, projection_dim):
+        e = experts or 1
+        size = 8 * e * (2 * a * a + 2 * g * g + a + g + a * g)
+        kind = "experts" if experts else kinds.get(name, "linear")
+        per_kind[kind] = per_kind.get(kind, 0) + size
+    skipped = [t.name for t in report.targets if t.kind == "grouped_linear"]
+    return {"per_kind": per_kind, "total": sum(per_kind.values()), "unsupported": skipped}
+
+
+def format_plan(plan: dict) -> str:
+    lines = ["EK-FAC factor memory (float64):"]
+    for kind, size in sorted(plan["per_kind"].items()):
+        lines.append(f"  {kind:<10s} {size / 2**30:10.3f} GiB")
+    lines.append(f"  {'total':<10s} {plan['total'] / 2**30:10.3f} GiB")
+    if plan["unsupported"]:
+        lines.append(f"  no EK-FAC factors (grouped linear): {', '.join(plan['unsupported'])}")
+    return "\n".join(lines)
+
+
+class _Accumulator:
+    """Row sink for pass 1: sums of x x^T and g g^T over real tokens, per expert for experts."""
+
+    def __init__(self, factors: dict[str, Factor]):
+        self.factors = factors
+
+    def __call__(self, captures: list[_Capture], batch: _Batch) -> None:
+        for c in captures:
+            if c.g is None or c.name not in self.factors:
+                continue
+            f = self.factors[c.name]
+            if c.grid is None:
+                x, g = c.x.reshape(-1, c.x.shape[-1]).double(), c.g.reshape(-1, c.g.shape[-1]).double()
+                real = batch.mask if batch.mask is not None and x.shape[0] == batch.mask.numel() else None
+                real = torch.ones(x.shape[0], device=x.device) if real is None else real
+                real = real.double()[:, None]
+                f.A += ((x * real).T @ x).to(f.A.device)
+                f.G += ((g * real).T @ g).to(f.G.device)
+                f.tokens += real.sum().to(f.tokens.device)
+                continue
+            rows, e = c.grid["rows"], c.layout.num_experts
+            valid = rows.expert < e
+            real = valid.double()
+            if batch.mask is not None and rows.num_tokens == batch.mask.numel():
+                real = real * batch.mask[rows.token].double()
+            pos = torch.arange(rows.expert.numel(), device=real.device) - torch.searchsorted(rows.expert, rows.expert)
+            length = max(int(pos.max()) + 1, 1) if pos.numel() else 1
+            flat = torch.where(valid, rows.expert * length + pos, e * length)
+            for cov, values in ((f.A, c.x), (f.G, c.g)):
+                grid = torch.zeros(e * length + 1, values.shape[-1], dtype=torch.float64, device=real.device)
+                grid.index_copy_(0, flat, values.double() * real[:, None])  # real is 0/1: real^2 = real
+                grid = grid[:-1].view(e, length, -1)
+                cov += torch.bmm(grid.transpose(1, 2), grid).to(cov.device)
+            counts = torch.zeros(e + 1, dtype=torch.float64, device=real.device)
+            f.tokens += counts.index_add_(0, rows.expert.clamp(max=e), real)[:e].to(f.tokens.device)
+
+
+def _batches(examples: list[Example], token_batch_size: int, dist: Dist) -> list[list[int]]:
+    return [b for i, b in enumerate(token_batches(examples, token_batch_size)) if i % dist.world == dist.rank]
+
+
+def fit_ekfac(
+    model: nn.Module,
+    examples: list[Example],
+    *,
+    track_moe_experts: bool = True,
+    filter_modules: str | None = None,
+    projection_dim: int | None = None,
+    seed: int = 0,
+    damping: float = DEFAULT_DAMPING,
+    sampled_labels: bool = False,
+    token_batch_size: int = 8192,
+    pad_id: int = 0,
+    max_memory_gib: float | None = None,
+    factor_device: str | torch.device = "cpu",
+    dist: Dist | None = None,
+    out: str | Path | None = None,
+    progress: bool = True,
+) -> EKFAC:
+    """Fit EK-FAC factors on `examples`: covariances, float64 eigendecompositions, corrected eigenvalues.
+
+    `damping` is relative: each factor's damping is `damping * mean(Lambda)` (per expert for
+    experts). Refuses with `FactorMemoryError` when the factors exceed `max_memory_gib`.
+    Under torchrun the sums are all-reduced, so every rank ends with the same factors.
+    """
+    device = next(model.parameters()).device
+    dist = dist or Dist(0, 1, device)
+    report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
+    plan = memory_plan(report, projection_dim)
+    report.targets = [t for t in report.targets if t.kind != "grouped_linear"]
+    if dist.is_main and progress:
+        print(format_plan(plan))
+    if max_memory_gib is not None and plan["total"] > max_memory_gib * 2**30:
+        raise FactorMemoryError(
+            f"EK-FAC factors need {plan['total'] / 2**30:.2f} GiB, over the {max_memory_gib} GiB budget. "
+            "Use --projection_dim P (factors in the projected space, P x P each), --filter_modules GLOB "
+            "to fit a subset (fit the rest in further runs), or raise --max_factor_memory."
+        )
+    fdev = torch.device(factor_device)
+    factors: dict[str, Factor] = {}
+    for name, transposed, experts, a, g in _dims(report, projection_dim):
+        lead = (experts,) if experts else ()
+        factors[name] = Factor(
+            name,
+            transposed,
+            experts,
+            torch.zeros(*lead, a, a, dtype=torch.float64, device=fdev),
+            torch.zeros(*lead, g, g, dtype=torch.float64, device=fdev),
+            torch.zeros(lead, dtype=torch.float64, device=fdev),
+        )
+    mine = _batches(examples, token_batch_size, dist)
+
+    def run(collector: GradientCollector, desc: str, each) -> None:
+        for positions in tqdm(mine, desc=f"{desc} rank {dist.rank}", disable=not progress):
+            ids, mask = collate(examples, positions, pad_id)
+            batch = collector.collect(
+                ids.to(dist.device), mask.to(dist.device), fused_experts=True, sample_labels=sampled_labels
+            )
+            each(batch)
+
+    sink = _Accumulator(factors)
+    with GradientCollector(model, report, projection_dim=projection_dim, seed=seed, row_sink=sink) as collector:
+        collector._exact_lengths = True
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        run(collector, "ekfac covariances", lambda out: None)
+    for f in factors.values():
+        for t in (f.A, f.G, f.tokens):
+            dist.all_reduce_(t)
+        n = f.tokens.clamp(min=1).view(*f.tokens.shape, 1, 1)
+        f.A /= n
+        f.G /= n
+        f.eigA, f.QA = torch.linalg.eigh(f.A)
+        f.eigG, f.QG = torch.linalg.eigh(f.G)
+        shape = (f.QA.shape[-1], f.QG.shape[-1]) if f.transposed else (f.QG.shape[-1], f.QA.shape[-1])
+        f.lam = torch.zeros(*f.tokens.shape, *shape, dtype=torch.float64, device=fdev)
+
+    proj = Projections(projection_dim, seed, dist.device, torch.float32) if projection_dim else None
+
+    def rotator(name, side, features, like, batch):
+        f = factors[name]
+        q = f.QA if side == "in" else f.QG
+        q = q.to(like.device, torch.float32)
+        if proj is not None:
+            q = proj.get(name, side, features, batch).float() @ q
+        return q.to(like.dtype)
+
+    total = torch.zeros((), dtype=torch.float64)
+
+    def add(out) -> None:
+        nonlocal total
+        total += out.losses.shape[0]
+        for name, f in factors.items():
+            key = f"{name}.weight"
+            rotated = out[key].double().to(fdev)  # [N, (E,) rows, cols]
+            f.lam += (rotated**2).sum(dim=0)
+
+    with GradientCollector(model, report, projector=rotator) as collector:
+        collector._exact_lengths = True
+        torch.manual_seed(seed)
+        run(collector, "ekfac eigenvalue correction", add)
+    torch.random.set_rng_state(gen_state)
+    dist.all_reduce_(total)
+    for f in factors.values():
+        dist.all_reduce_(f.lam)
+        f.examples = int(total)
+        f.lam /= max(float(total), 1.0)
+        mean = f.lam.mean(dim=(-1, -2))
+        f.damping = damping * mean
+    result = EKFAC(
+        factors,
+        projection_dim,
+        seed,
+        {"damping": damping, "sampled_labels": sampled_labels, "examples": int(total),
+         "track_moe_experts": track_moe_experts, "filter_modules": filter_modules},
+    )  # fmt: skip
+    if out is not None and dist.is_main:
+        result.save(out)
+    return result

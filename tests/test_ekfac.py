@@ -1,0 +1,243 @@
+"""EK-FAC: factors against brute force, corrected eigenvalues, approximation quality, I/O, torchrun."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe_attrib as ma
+from moe_attrib.data import Example, collate
+from moe_attrib.ekfac import FactorMemoryError, fit_ekfac, load_ekfac
+from moe_attrib.projection import projection_matrix
+from moe_attrib.zoo import tiny_model
+from tests.conftest import rel_err
+from tests.test_build import CORPUS, ENV, model_dir  # noqa: F401  (fixture)
+
+
+def examples(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 14, (n,), generator=g)
+    return [Example(i, torch.randint(3, 128, (int(lengths[i]),), generator=g).tolist()) for i in range(n)]
+
+
+def brute_force_expert_covariances(model, exs, layer=0):
+    """A_e, G_e of every expert of `layer`'s gate_up_proj by a per-expert loop, one example at a time."""
+    experts = model.model.layers[layer].mlp.experts
+    E, (H, I2) = experts.num_experts, (experts.gate_up_proj.shape[2], experts.gate_up_proj.shape[1])
+    A, G, count = torch.zeros(E, H, H, dtype=torch.float64), torch.zeros(E, I2, I2, dtype=torch.float64), torch.zeros(E)
+    store = {}
+
+    def loop_forward(hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(E):
+            tok, slot = torch.where(top_k_index == e)
+            if tok.numel() == 0:
+                continue
+            x = hidden[tok]
+            probe = torch.zeros(tok.numel(), I2, requires_grad=True)
+            h = F.linear(x, experts.gate_up_proj[e]) + probe
+            store[e] = (x.detach(), probe)
+            gate, up = h.chunk(2, dim=-1)
+            y = F.linear(experts.act_fn(gate) * up, experts.down_proj[e]) * top_k_weights[tok, slot, None]
+            out = out.index_add(0, tok, y)
+        return out
+
+    experts.forward = loop_forward
+    try:
+        for ex in exs:
+            store.clear()
+            ids = torch.tensor([ex.input_ids])
+            logits = model(input_ids=ids).logits[0, :-1]
+            F.cross_entropy(logits, ids[0, 1:], reduction="sum").backward()
+            for e, (x, probe) in store.items():
+                A[e] += x.double().T @ x.double()
+                G[e] += probe.grad.double().T @ probe.grad.double()
+                count[e] += x.shape[0]
+    finally:
+        del experts.forward
+        model.zero_grad(set_to_none=True)
+    n = count.clamp(min=1).view(E, 1, 1).double()
+    return A / n, G / n, count
+
+
+def test_expert_factors_equal_brute_force_covariances():
+    model = tiny_model("qwen3_moe")
+    exs = examples()
+    ek = fit_ekfac(model, exs, token_batch_size=40, progress=False)
+    A, G, count = brute_force_expert_covariances(model, exs)
+    f = ek.factors["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(f.tokens.float(), count)
+    assert (count == 0).sum() < len(count)
+    # fp32 rows from a padded batch vs one unpadded example at a time: agree to fp32 rounding
+    assert rel_err(f.A, A) < 1e-5 and rel_err(f.G, G) < 1e-5, (rel_err(f.A, A), rel_err(f.G, G))
+
+
+def test_corrected_eigenvalues_equal_mean_squared_rotated_gradients():
+    model = tiny_model("gpt_oss")  # transposed layouts and biases
+    exs = examples(10)
+    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False)
+    ids, mask = collate(exs, list(range(len(exs))))
+    grads = ma.per_example_gradients(model, ids, mask)
+    for name in [
+        "model.layers.1.mlp.experts.down_proj",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.mlp.router",
+    ]:
+        f = ek.factors[name]
+        qr, qc = f.rows_cols
+        if f.experts:
+            w = torch.stack(
+                [
+                    grads[f"{name.rsplit('.', 1)[0]}.expert_{i}.{name.rsplit('.', 1)[1]}.weight"]
+                    for i in range(f.experts)
+                ],
+                dim=1,
+            )
+        else:
+            w = grads[f"{name}.weight"]
+        expected = ((qr.transpose(-1, -2) @ w.double() @ qc) ** 2).mean(dim=0)
+        assert rel_err(f.lam, expected) < 1e-5, (name, rel_err(f.lam, expected))
+
+
+def test_projected_factors_are_projected_covariances():
+    model = tiny_model("qwen3_moe")
+    exs = examples(8)
+    full = fit_ekfac(model, exs, token_batch_size=1000, progress=False)
+    proj = fit_ekfac(model, exs, token_batch_size=1000, projection_dim=8, seed=3, progress=False)
+    name = "model.layers.1.mlp.experts.down_proj"
+    p_in = projection_matrix(f"{name}/in", 8, 32, 3, batch=8).double()
+    assert torch.allclose(proj.factors[name].A, p_in @ full.factors[name].A @ p_in.transpose(1, 2), atol=1e-8)
+    name = "model.layers.0.self_attn.o_proj"
+    p_out = projection_matrix(f"{name}/out", 8, 64, 3).double()
+    assert torch.allclose(proj.factors[name].G, p_out @ full.factors[name].G @ p_out.T, atol=1e-8)
+
+
+def test_ekfac_beats_kfac_and_identity_on_an_exact_block_fisher(capsys):
+    model = tiny_model("qwen3_moe")
+    exs = examples(48, seed=1)
+    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False)
+    ids, mask = collate(exs, list(range(48)))
+    grads = ma.per_example_gradients(model, ids, mask)
+    name = "model.layers.1.self_attn.k_proj"  # 32 x 64: a 2048 x 2048 block Fisher
+    f = ek.factors[name]
+    w = grads[f"{name}.weight"].double()  # [N, 32, 64]
+    vec = w.reshape(48, -1)
+    fisher = vec.T @ vec / 48
+    qr, qc = f.rows_cols
+    basis = torch.kron(qr, qc)  # vec(Qr M Qc^T) = (Qr kron Qc) vec(M) for row-major vec
+
+    def approx(lam):
+        return basis @ torch.diag(lam.reshape(-1)) @ basis.T
+
+    err = {
+        "ekfac": float((approx(f.lam) - fisher).norm() / fisher.norm()),
+        "kfac": float((approx(f.kfac_eigenvalues()) - fisher).norm() / fisher.norm()),
+    }
+    damp = float(f.damping)
+    query = grads[f"{name}.weight"][0].double() + 0.1 * torch.randn(32, 64, dtype=torch.float64)
+    exact = torch.linalg.solve(fisher + damp * torch.eye(2048, dtype=torch.float64), query.reshape(-1))
+
+    def cos(a):
+        a = a.reshape(-1)
+        return float(a @ exact / (a.norm() * exact.norm()))
+
+    sim = {
+        "ekfac": cos(f.precondition(query)),
+        "kfac": cos(f.precondition(query, f.kfac_eigenvalues())),
+        "identity": cos(query),
+    }
+    with capsys.disabled():
+        print(f"\n{name}: Fisher rel. error {err}; cosine to exact (F + damping I)^-1 g: {sim}")
+    assert err["ekfac"] < err["kfac"]
+    assert sim["ekfac"] > sim["kfac"] and sim["ekfac"] > sim["identity"]
+
+
+def test_save_load_round_trip(tmp_path):
+    model = tiny_model("gpt_oss")
+    ek = fit_ekfac(model, examples(6), token_batch_size=1000, progress=False, out=tmp_path / "ek")
+    back = load_ekfac(tmp_path / "ek")
+    assert set(back.factors) == set(ek.factors)
+    for name, f in ek.factors.items():
+        g = back.factors[name]
+        for key in ("A", "G", "QA", "QG", "lam", "damping", "tokens"):
+            assert torch.equal(getattr(f, key), getattr(g, key)), (name, key)
+        grad = torch.randn(f.lam.shape, dtype=torch.float64)
+        # equal factors; eigh's column-major bases come back row-major, so matmuls may round differently
+        assert torch.allclose(f.precondition(grad), g.precondition(grad), rtol=1e-10)
+
+
+def test_memory_budget_refusal():
+    with pytest.raises(FactorMemoryError, match="--projection_dim"):
+        fit_ekfac(tiny_model("qwen3_moe"), examples(2), max_memory_gib=1e-6, progress=False)
+
+
+def test_cli_torchrun_two_ranks_equal_one(model_dir, tmp_path):  # noqa: F811
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    if not Path(torchrun).exists():
+        pytest.skip("torchrun not installed")
+    args = [
+        str(model_dir),
+        str(CORPUS),
+        "--track_moe_experts",
+        "--token_batch_size",
+        "64",
+        "--quiet",
+        "--precision",
+        "fp32",
+    ]
+    env = {**ENV, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run(
+        [sys.executable, "-m", "moe_attrib", "ekfac", *args, "--out", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run(
+        [
+            torchrun,
+            "--nproc_per_node=2",
+            "--master_port=29534",
+            "-m",
+            "moe_attrib",
+            "ekfac",
+            *args,
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = load_ekfac(tmp_path / "one"), load_ekfac(tmp_path / "two")
+    for name, f in a.factors.items():
+        g = b.factors[name]
+        for key in ("A", "G", "tokens", "lam"):
+            assert torch.allclose(getattr(f, key), getattr(g, key), rtol=1e-9, atol=1e-12), (name, key)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_attrib",
+            "ekfac",
+            *args,
+            "--out",
+            str(tmp_path / "x"),
+            "--max_factor_memory",
+            "1e-6",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert refused.returncode == 2 and "--filter_modules" in refused.stderr
