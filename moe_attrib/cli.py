@@ -150,6 +150,52 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    import json
+
+    import numpy as np
+
+    from moe_attrib.data import DataError, load_examples
+    from moe_attrib.ekfac import load_ekfac
+    from moe_attrib.index import IndexFileError, load_index
+    from moe_attrib.score import ScoreError, group_parts, query_gradients, score
+
+    try:
+        index = load_index(args.index)
+        settings = index.manifest["settings"]
+        tokenizer = load_tokenizer(args.model)
+        queries = load_examples(args.queries, tokenizer, args.text_field, settings.get("max_length"), True)
+        model = load_model(args.model, getattr(torch, settings["dtype"].removeprefix("torch.")))
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = model.to(device)
+        q = query_gradients(model, queries, index, pad_id=getattr(tokenizer, "pad_token_id", None) or 0)
+        ekfac = load_ekfac(args.ekfac) if args.ekfac else None
+        result = score(
+            index, q, ekfac=ekfac, unit_normalize=args.unit_normalize, top_k=args.top_k, per_module=args.per_module
+        )
+        train = load_examples(settings["data"], tokenizer, args.text_field, settings.get("max_length"),
+                              bool(settings.get("truncate")))  # fmt: skip
+    except (DataError, IndexFileError, ScoreError, FileNotFoundError, ValueError) as err:
+        print(f"moe-attrib score: error: {err}", file=sys.stderr)
+        return 2
+    offsets = index.token_offsets
+    with open(args.out, "w") as f:
+        for qi, ex in enumerate(queries):
+            results = []
+            for rank, (value, row) in enumerate(zip(result.values[qi], result.rows[qi], strict=True)):
+                example = int(np.searchsorted(offsets, row, side="right") - 1) if offsets is not None else int(row)
+                hit = {"rank": rank + 1, "row": int(row), "example": int(index.manifest["example_ids"][example]),
+                       "score": float(value), "text": train[example].text}  # fmt: skip
+                if offsets is not None:
+                    hit["token"] = int(row - offsets[example])
+                if result.parts is not None:
+                    hit["per_module"] = group_parts(result.parts[qi, rank], index.blocks)
+                results.append(hit)
+            f.write(json.dumps({"query": ex.index, "query_text": ex.text, "results": results}) + "\n")
+    print(f"scores for {len(queries)} queries written to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-attrib", description="Per-example gradient attribution for Mixture-of-Experts language models."
@@ -201,6 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
     ekfac.add_argument("--device", default=None)
     ekfac.add_argument("--quiet", action="store_true")
     ekfac.set_defaults(func=cmd_ekfac)
+
+    sc = sub.add_parser("score", help="top training examples of an index for each query")
+    sc.add_argument("--index", required=True)
+    sc.add_argument("model")
+    sc.add_argument("queries", help="JSONL / text file of queries (same formats as build's DATA)")
+    sc.add_argument("--ekfac", default=None, help="EK-FAC factors fitted with the index's projection settings")
+    sc.add_argument("--unit_normalize", action="store_true", help="cosine instead of inner product")
+    sc.add_argument("--top_k", type=int, default=10)
+    sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")
+    sc.add_argument("--text_field", default="text")
+    sc.add_argument("--device", default=None)
+    sc.add_argument("--out", required=True, help="output JSONL")
+    sc.set_defaults(func=cmd_score)
     return parser
 
 
