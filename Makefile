@@ -21,4 +21,4 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 demo: setup
-	$(BIN)/moe-attrib inspect tiny:qwen3_moe --track_moe_experts
+	$(BIN)/moe-attrib demo --out moe-attrib-demo

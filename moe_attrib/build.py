@@ -11,7 +11,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from moe_attrib.collector import GradientCollector
-from moe_attrib.data import Example, collate, fingerprint, token_batches
+from moe_attrib.data import Example, collate, fingerprint, labels_for, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist
 from moe_attrib.index import FORMAT_VERSION, IndexWriter, column_plan, flatten_batch
@@ -115,6 +115,7 @@ def build_index(
             out = collector.collect(
                 ids.to(dist.device),
                 mask.to(dist.device),
+                labels_for(examples, batches[b], ids, mask).to(dist.device),
                 fused_experts=True,
                 per_token=attribute_tokens,
                 expert_blocks=expert_blocks,

@@ -196,6 +196,14 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from moe_attrib.demo import run_demo
+
+    warnings.filterwarnings("ignore", message=".*--track_moe_experts.*")
+    run_demo(args.out, steps=args.steps, seed=args.seed, projection_dim=args.projection_dim, progress=not args.quiet)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-attrib", description="Per-example gradient attribution for Mixture-of-Experts language models."
@@ -260,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--device", default=None)
     sc.add_argument("--out", required=True, help="output JSONL")
     sc.set_defaults(func=cmd_score)
+
+    demo = sub.add_parser("demo", help="offline end-to-end demo on a tiny MoE with planted facts")
+    demo.add_argument("--out", default="moe-attrib-demo")
+    demo.add_argument("--steps", type=int, default=800, help="training steps of the tiny model")
+    demo.add_argument("--projection_dim", type=int, default=32)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--quiet", action="store_true")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -20,6 +20,7 @@ class Example:
     index: int  # row in the source, the example's id in the index
     input_ids: list[int]
     text: str | None = None
+    loss_start: int = 0  # tokens before this position carry no loss (prompt of a prompt/completion pair)
 
 
 def _read_records(source: str, text_field: str) -> list[dict]:
@@ -63,14 +64,22 @@ def load_examples(
     truncate: bool = False,
 ) -> list[Example]:
     """Read and tokenize a dataset: JSONL, plain text (one example per line), a `datasets`
-    directory or a hub name. A pretokenized `input_ids` column is used as is."""
+    directory or a hub name. A pretokenized `input_ids` column is used as is; a record with
+    `prompt` and `completion` fields is attributed through the completion's tokens only."""
     records = _read_records(source, text_field)
     if not records:
         raise DataError(f"{source}: the dataset is empty; nothing to attribute.")
     examples = []
     for i, rec in enumerate(records):
+        loss_start = 0
         if "input_ids" in rec:
             ids, text = [int(t) for t in rec["input_ids"]], rec.get(text_field)
+        elif "prompt" in rec and "completion" in rec:
+            if tokenizer is None:
+                raise DataError(f"{source}: row {i} has text but the model has no tokenizer.")
+            text = f"{rec['prompt']} {rec['completion']}"
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+            loss_start = len(tokenizer(str(rec["prompt"]), add_special_tokens=True)["input_ids"])
         elif text_field in rec:
             if tokenizer is None:
                 raise DataError(f"{source}: row {i} has text but the model has no tokenizer.")
@@ -90,7 +99,7 @@ def load_examples(
                     "raise --max_length or pass --truncate."
                 )
             ids = ids[:max_length]
-        examples.append(Example(i, ids, text))
+        examples.append(Example(i, ids, text, loss_start))
     return examples
 
 
@@ -137,3 +146,12 @@ def collate(examples: list[Example], positions: list[int], pad_id: int = 0) -> t
         ids[row, : len(seq)] = torch.tensor(seq)
         mask[row, : len(seq)] = 1
     return ids, mask
+
+
+def labels_for(examples: list[Example], positions: list[int], ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Next-token labels: padding and prompt tokens (before `loss_start`) are -100."""
+    labels = ids.masked_fill(mask == 0, -100)
+    for row, i in enumerate(positions):
+        if examples[i].loss_start:
+            labels[row, : examples[i].loss_start] = -100
+    return labels

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from moe_attrib.collector import GradientCollector
-from moe_attrib.data import Example, collate, token_batches
+from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
@@ -151,6 +151,7 @@ def query_gradients(
     with GradientCollector(model, report, projection_dim=st["projection_dim"], seed=st["seed"]) as collector:
         for positions in token_batches(examples, token_batch_size):
             ids, mask = collate(examples, positions, pad_id)
-            grads = collector.collect(ids.to(device), mask.to(device), fused_experts=True)
+            labels = labels_for(examples, positions, ids, mask).to(device)
+            grads = collector.collect(ids.to(device), mask.to(device), labels, fused_experts=True)
             out[positions] = torch.from_numpy(flatten_batch(grads, report, blocks, st["expert_blocks"]))
     return out

@@ -1,0 +1,21 @@
+"""The demo end to end (shortened): trains, builds, fits, scores, and finds planted facts above chance."""
+
+import json
+
+from moe_attrib.demo import make_corpus, run_demo
+
+
+def test_corpus_is_deterministic_and_queries_point_at_their_fact():
+    train, queries = make_corpus(seed=3)
+    assert (train, queries) == make_corpus(seed=3)
+    for q in queries:
+        fact = train[q["source"]]["text"]
+        assert q["completion"] in fact.split() and train[q["source"]]["person"] in q["prompt"].split()
+
+
+def test_demo_runs_and_beats_chance(tmp_path):
+    results = run_demo(tmp_path / "demo", steps=300, projection_dim=16, progress=False)
+    assert json.loads((tmp_path / "demo" / "results.json").read_text())["queries"] == 40
+    best = results["variants"]["experts tracked, EK-FAC"]
+    assert best["recall@10"] > 2 * 10 / results["train"]  # twice chance@10 (10/160) even in this short run
+    assert best["coverage"] > 0.99
