@@ -17,6 +17,16 @@ from moe_attrib.distributed import Dist
 from moe_attrib.index import FORMAT_VERSION, IndexWriter, column_plan, flatten_batch
 
 
+def make_collector(model: nn.Module, report, projection_dim: int, seed: int, optimizer_state: str | None):
+    """The collector an index is built with: seeded projections, optimizer-normalised if asked."""
+    if not optimizer_state:
+        return GradientCollector(model, report, projection_dim=projection_dim, seed=seed)
+    from moe_attrib.normalizers import Normalizer, load_optimizer_state
+
+    normalizer = Normalizer(model, report, load_optimizer_state(optimizer_state, model))
+    return GradientCollector(model, report, projector=normalizer.projector(projection_dim, seed))
+
+
 def build_index(
     model: nn.Module,
     examples: list[Example],
@@ -30,6 +40,7 @@ def build_index(
     token_batch_size: int = 8192,
     filter_modules: str | None = None,
     attribute_tokens: bool = False,
+    optimizer_state: str | None = None,
     resume: bool = False,
     pad_id: int = 0,
     extra_settings: dict | None = None,
@@ -42,7 +53,9 @@ def build_index(
     interrupted build continues where it stopped. Under torchrun each rank takes every
     `world`-th batch and writes its own rows; rank 0 moves the finished index into place.
     With `attribute_tokens=True` there is one row per token (token t's share of its example's
-    gradient; rows of example i are `token_offsets[i]:token_offsets[i + 1]`).
+    gradient; rows of example i are `token_offsets[i]:token_offsets[i + 1]`). `optimizer_state`
+    (a torch optimizer state file or HF Trainer checkpoint) normalises gradients by the
+    optimizer's second moments (see `moe_attrib.normalizers`).
     """
     from moe_attrib import __version__
 
@@ -71,6 +84,7 @@ def build_index(
         "filter_modules": filter_modules,
         "token_batch_size": token_batch_size,
         "attribute_tokens": attribute_tokens,
+        "optimizer_state": str(optimizer_state) if optimizer_state else None,
         "dtype": str(next(model.parameters()).dtype),
         **(extra_settings or {}),
     }
@@ -109,7 +123,7 @@ def build_index(
     tokens = sum(len(examples[i].input_ids) for b in mine for i in batches[b])
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc=f"build rank {dist.rank}", disable=not progress)
     start = time.perf_counter()
-    with GradientCollector(model, report, projection_dim=projection_dim, seed=seed) as collector:
+    with make_collector(model, report, projection_dim, seed, optimizer_state) as collector:
         for b in mine:
             ids, mask = collate(examples, batches[b], pad_id)
             out = collector.collect(

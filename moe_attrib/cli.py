@@ -97,6 +97,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 token_batch_size=args.token_batch_size,
                 filter_modules=args.filter_modules,
                 attribute_tokens=args.attribute_tokens,
+                optimizer_state=args.optimizer_state,
                 resume=args.resume,
                 pad_id=pad,
                 extra_settings={"data": str(args.data), "max_length": args.max_length, "truncate": args.truncate},
@@ -106,7 +107,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         for w in caught:
             if dist.is_main and issubclass(w.category, UserWarning) and "moe-attrib" in str(w.message):
                 print(f"NOTE: {w.message}", file=sys.stderr)
-    except (DataError, IndexFileError, LayoutError, ValueError) as err:
+    except (DataError, IndexFileError, LayoutError, ValueError) as err:  # OptimizerStateError is a ValueError
         print(f"moe-attrib build: error: {err}", file=sys.stderr)
         return 2
     if dist.is_main:
@@ -230,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--filter_modules", default=None, help="glob over module names, e.g. '*.mlp.*'")
     build.add_argument("--expert_blocks", default="separate", choices=["separate", "sum"])
     build.add_argument("--attribute_tokens", action="store_true", help="one row per token instead of per example")
+    build.add_argument(
+        "--optimizer_state",
+        default=None,
+        help="torch optimizer state / HF Trainer checkpoint: Adam/Adafactor normalisation",
+    )
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
     build.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     build.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -271,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="offline end-to-end demo on a tiny MoE with planted facts")
     demo.add_argument("--out", default="moe-attrib-demo")
-    demo.add_argument("--steps", type=int, default=800, help="training steps of the tiny model")
+    demo.add_argument("--steps", type=int, default=300, help="training steps of the tiny model")
     demo.add_argument("--projection_dim", type=int, default=32)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quiet", action="store_true")

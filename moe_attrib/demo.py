@@ -43,7 +43,8 @@ def make_corpus(people: int = 40, queries: int = 40, seed: int = 0) -> tuple[lis
         for rel, (stmt, _) in TEMPLATES.items():
             value = rng.choice(VALUES[rel])
             facts.append((len(train), name, rel, value))
-            train.append({"text": stmt.format(p=name, v=value), "person": name, "relation": rel})
+            prompt, _, rest = stmt.format(p=name, v="\0").partition("\0")
+            train.append({"prompt": prompt.strip(), "completion": value + rest, "person": name, "relation": rel})
     chosen = rng.sample(facts, queries)
     qs = []
     for row, name, rel, value in chosen:
@@ -54,7 +55,7 @@ def make_corpus(people: int = 40, queries: int = 40, seed: int = 0) -> tuple[lis
 
 def train_model(model, examples, steps: int, lr: float, seed: int, progress: bool) -> list[float]:
     from moe_attrib.collector import example_losses
-    from moe_attrib.data import collate
+    from moe_attrib.data import collate, labels_for
 
     torch.manual_seed(seed)
     model.train()
@@ -66,8 +67,8 @@ def train_model(model, examples, steps: int, lr: float, seed: int, progress: boo
         batch = rng.sample(order, 16)
         ids, mask = collate(examples, batch)
         out = model(input_ids=ids, attention_mask=mask)
-        labels = ids.masked_fill(mask == 0, -100)
-        loss = example_losses(out.logits, labels).sum() / mask.sum()
+        labels = labels_for(examples, batch, ids, mask)
+        loss = example_losses(out.logits, labels).sum() / (labels[:, 1:] != -100).sum()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -78,7 +79,7 @@ def train_model(model, examples, steps: int, lr: float, seed: int, progress: boo
 
 def run_demo(
     out: str | Path = "moe-attrib-demo",
-    steps: int = 800,
+    steps: int = 300,
     seed: int = 0,
     projection_dim: int = 32,
     progress: bool = True,
@@ -97,7 +98,7 @@ def run_demo(
     train, queries = make_corpus(seed=seed)
     for name, rows in (("train.jsonl", train), ("queries.jsonl", queries)):
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tokenizer = train_tokenizer([r["text"] for r in train] + [f"{q['prompt']} {q['completion']}" for q in queries])
+    tokenizer = train_tokenizer([f"{r['prompt']} {r['completion']}" for r in train + queries])
     model = tiny_model("qwen3_moe", seed=seed, vocab_size=len(tokenizer), num_hidden_layers=2)
     examples = load_examples(str(out / "train.jsonl"), tokenizer)
     qexamples = load_examples(str(out / "queries.jsonl"), tokenizer)
@@ -137,10 +138,10 @@ def run_demo(
     for qi in range(5):
         mark = "HIT " if res.rows[qi, 0] == sources[qi] else "miss"
         query = f"{queries[qi]['prompt']} -> {queries[qi]['completion']}"
-        print(f"  [{mark}] query: {query!r}  (planted: {train[sources[qi]]['text']!r})")
+        print(f"  [{mark}] query: {query!r}  (planted: {examples[sources[qi]].text!r})")
         for rank in range(3):
             row = res.rows[qi, rank]
-            print(f"         {rank + 1}. {res.values[qi, rank]:+.2e}  {train[row]['text']}")
+            print(f"         {rank + 1}. {res.values[qi, rank]:+.2e}  {examples[row].text}")
     share: dict[str, float] = {}
     for qi in range(len(queries)):
         parts = group_parts(res.parts[qi, 0], index.blocks)["experts"]

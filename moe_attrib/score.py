@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moe_attrib.collector import GradientCollector
 from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.ekfac import EKFAC
@@ -148,7 +147,9 @@ def query_gradients(
         )
     device = next(model.parameters()).device
     out = torch.zeros(len(examples), blocks[-1].stop)
-    with GradientCollector(model, report, projection_dim=st["projection_dim"], seed=st["seed"]) as collector:
+    from moe_attrib.build import make_collector
+
+    with make_collector(model, report, st["projection_dim"], st["seed"], st.get("optimizer_state")) as collector:
         for positions in token_batches(examples, token_batch_size):
             ids, mask = collate(examples, positions, pad_id)
             labels = labels_for(examples, positions, ids, mask).to(device)
