@@ -133,8 +133,8 @@ def run_demo(
             results["variants"][name] = {"recall@1": hit1, "recall@10": hit10, "coverage": index.manifest["coverage"]}
 
     index, q, ek = indexes[True]
-    res = score(index, q, ekfac=ek, unit_normalize=True, top_k=3, per_module=True, device="cpu")
-    print("\nTop training examples for the first queries (experts tracked, EK-FAC, cosine):")
+    res = score(index, q, unit_normalize=True, top_k=3, per_module=True, device="cpu")
+    print("\nTop training examples for the first queries (experts tracked, cosine):")
     for qi in range(5):
         mark = "HIT " if res.rows[qi, 0] == sources[qi] else "miss"
         query = f"{queries[qi]['prompt']} -> {queries[qi]['completion']}"
