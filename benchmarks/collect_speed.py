@@ -118,19 +118,26 @@ def run_shape(shape: str, args) -> dict:
         for p in model.parameters():
             p.grad = None
 
-    plain, plain_times, plain_peak = timed(plain_step, args.warmup, args.steps)
-
     report = ma.discover(model, track_moe_experts=True)
-    with GradientCollector(model, report, projection_dim=args.projection_dim) as collector:
-        grads = collector.collect(ids, mask, labels, fused_experts=True)  # one untimed call, for sanity
-        finite = all(bool(torch.isfinite(v).all()) for v in grads.values())
-        del grads
-        collect, collect_times, collect_peak = timed(
-            lambda: collector.collect(ids, mask, labels, fused_experts=True), args.warmup, args.steps
-        )
-        if args.profile:
-            profile_steps(f"{shape} collection", lambda: collector.collect(ids, mask, labels, fused_experts=True))
+    plain_times, collect_times, plain_peak, collect_peak = [], [], 0, 0
+    finite = True
+    for _ in range(args.rounds):  # alternate, so drift in clocks or load hits both alike
+        _, times, peak = timed(plain_step, args.warmup, args.steps)
+        plain_times += times
+        plain_peak = max(plain_peak, peak)
+        with GradientCollector(model, report, projection_dim=args.projection_dim) as collector:
+            grads = collector.collect(ids, mask, labels, fused_experts=True)  # one untimed call, for sanity
+            finite = finite and all(bool(torch.isfinite(v).all()) for v in grads.values())
+            del grads
+            _, times, peak = timed(
+                lambda c=collector: c.collect(ids, mask, labels, fused_experts=True), args.warmup, args.steps
+            )
+            collect_times += times
+            collect_peak = max(collect_peak, peak)
+    plain, collect = statistics.median(plain_times), statistics.median(collect_times)
     if args.profile:
+        with GradientCollector(model, report, projection_dim=args.projection_dim) as collector:
+            profile_steps(f"{shape} collection", lambda: collector.collect(ids, mask, labels, fused_experts=True))
         profile_steps(f"{shape} plain step", plain_step)
     params = sum(p.numel() for p in model.parameters())
     result = {
@@ -150,6 +157,7 @@ def run_shape(shape: str, args) -> dict:
         "collect_peak_bytes": collect_peak,
         "memory_ratio": collect_peak / plain_peak,
         "collect_outputs_finite": finite,
+        "rounds": args.rounds,
         "plain_times_s": plain_times,
         "collect_times_s": collect_times,
     }
@@ -164,6 +172,7 @@ def main() -> None:
     parser.add_argument("--projection_dim", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating plain/collection rounds")
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of collection")
     args = parser.parse_args()

@@ -24,7 +24,14 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from moe_attrib.discovery import CoverageReport, Target, discover
-from moe_attrib.experts import ExpertsLayout, LayoutError, RoutedRows, collection_forward, grouped_matmul
+from moe_attrib.experts import (
+    ExpertsLayout,
+    LayoutError,
+    RoutedRows,
+    collection_forward,
+    grouped_matmul,
+    matmul_fp32,
+)
 from moe_attrib.families import grouped_linear_groups
 from moe_attrib.projection import Projections
 
@@ -269,18 +276,15 @@ class GradientCollector:
             return
         name = target.name
         x = self._per_example(x.detach().reshape(-1, x.shape[-1]))
-        if self._projecting:
-            x = x @ self._projection(name, "in", x.shape[-1], x)
-        capture = _Capture(name, x.float(), transposed, target.module._parameters.get("bias") is not None)
+        x = matmul_fp32(x, self._projection(name, "in", x.shape[-1], x)) if self._projecting else x.float()
+        capture = _Capture(name, x, transposed, target.module._parameters.get("bias") is not None)
         self._captures.append(capture)
 
         def backward(g: torch.Tensor) -> None:
             if out_transposed:
                 g = g.transpose(-1, -2)
             g = self._per_example(g.reshape(-1, g.shape[-1]))
-            if self._projecting:
-                g = g @ self._projection(name, "out", g.shape[-1], g)
-            capture.g = g.float()
+            capture.g = matmul_fp32(g, self._projection(name, "out", g.shape[-1], g)) if self._projecting else g.float()
 
         y.register_hook(backward)
 
@@ -390,13 +394,13 @@ class GradientCollector:
         in_features, out_features = layout.features(proj)
         x = x.detach()
         if self._projecting:
-            x = grouped_matmul(x, self._projection(pname, "in", in_features, x, batch=e), offsets)
+            x = grouped_matmul(x, self._projection(pname, "in", in_features, x, batch=e), offsets, fp32_out=True)
         capture = _Capture(pname, x.float(), layout.transposed, layout.bias(proj) is not None, grid=grid, layout=layout)
         self._captures.append(capture)
 
         def backward(g: torch.Tensor) -> None:
             if self._projecting:
-                g = grouped_matmul(g, self._projection(pname, "out", out_features, g, batch=e), offsets)
+                g = grouped_matmul(g, self._projection(pname, "out", out_features, g, batch=e), offsets, fp32_out=True)
             capture.g = g.float()
 
         y.register_hook(backward)
@@ -527,7 +531,9 @@ class GradientCollector:
         self._tokens = input_ids.shape[1] if per_token else 0
         fused_experts = fused_experts or per_token
         n, s = input_ids.shape
-        mask = attention_mask.reshape(-1).to(torch.float32) if attention_mask is not None else None
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):  # one sync per batch, before the forward
+            mask = attention_mask.reshape(-1).to(torch.float32)
         self._batch = _Batch(n, s, mask)
         self._results, self._counts, self._overflow, self._captures = {}, {}, [], []
         if labels is None:

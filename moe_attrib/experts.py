@@ -285,22 +285,41 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 _GROUPED_MM_BROKEN: set[tuple[str, torch.dtype]] = set()
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
     """`x[rows of expert e] @ w[e]` for all experts in one call (`w`: `[E, in, out]`).
 
     Uses `torch.nn.functional.grouped_mm` where the device, dtype and strides allow it, else
     transformers' grouped_mm fallback (one mm per expert, the same numerics as its eager path).
+    `fp32_out=True` returns float32 (accumulated in fp32, written once) for low-precision inputs.
     """
     w = w.to(x.dtype)
     key = (x.device.type, x.dtype)
     if key not in _GROUPED_MM_BROKEN and hasattr(nn.functional, "grouped_mm") and _aligned(x, w):
         try:
-            return nn.functional.grouped_mm(x, w, offs=offsets)
-        except (RuntimeError, NotImplementedError):
+            if fp32_out and x.is_cuda and x.dtype != torch.float32:
+                return nn.functional.grouped_mm(x, w, offs=offsets, out_dtype=torch.float32)
+            out = nn.functional.grouped_mm(x, w, offs=offsets)
+            return out.float() if fp32_out else out
+        except (RuntimeError, NotImplementedError, TypeError):
             _GROUPED_MM_BROKEN.add(key)
     import transformers.integrations.moe  # noqa: F401  (registers the fallback op)
 
-    return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offsets)
+    out = torch.ops.transformers.grouped_mm_fallback(x, w, offs=offsets)
+    return out.float() if fp32_out else out
+
+
+_MM_FP32_BROKEN: set[torch.dtype] = set()
+
+
+def matmul_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`(x @ w)` as float32; on CUDA with bf16/fp16 inputs one GEMM writes fp32 directly."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dtype not in _MM_FP32_BROKEN:
+        try:
+            flat = torch.mm(x.reshape(-1, x.shape[-1]), w, out_dtype=torch.float32)
+            return flat.view(*x.shape[:-1], w.shape[-1])
+        except (RuntimeError, TypeError):
+            _MM_FP32_BROKEN.add(x.dtype)
+    return (x @ w).float()
 
 
 def _linear_rows(layout: ExpertsLayout, proj: str, x: torch.Tensor, rows: RoutedRows, used: int) -> torch.Tensor:
@@ -327,7 +346,7 @@ def route_rows(top_k_index: torch.Tensor, num_tokens: int, num_experts: int) -> 
     """Sort (token, slot) pairs expert-major then token-major; returns rows and the slot permutation."""
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1).long()
-    token = torch.arange(num_tokens, device=flat.device).repeat_interleave(k)
+    token = torch.arange(num_tokens * k, device=flat.device) // k
     key, perm = torch.sort(flat * num_tokens + token)
     expert = key // num_tokens
     # searchsorted on the sorted keys, not bincount: bincount's output size needs a device sync

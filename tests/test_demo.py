@@ -9,7 +9,7 @@ def test_corpus_is_deterministic_and_queries_point_at_their_fact():
     train, queries = make_corpus(seed=3)
     assert (train, queries) == make_corpus(seed=3)
     for q in queries:
-        fact = train[q["source"]]["text"]
+        fact = f"{train[q['source']]['prompt']} {train[q['source']]['completion']}"
         assert q["completion"] in fact.split() and train[q["source"]]["person"] in q["prompt"].split()
 
 
