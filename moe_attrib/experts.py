@@ -283,6 +283,7 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 
 _GROUPED_MM_BROKEN: set[tuple[str, torch.dtype]] = set()
+_GROUPED_MM_FP32_BROKEN: set[tuple[str, torch.dtype]] = set()
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
@@ -295,12 +296,15 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, fp32
     w = w.to(x.dtype)
     key = (x.device.type, x.dtype)
     if key not in _GROUPED_MM_BROKEN and hasattr(nn.functional, "grouped_mm") and _aligned(x, w):
-        try:
-            if fp32_out and x.is_cuda and x.dtype != torch.float32:
+        if fp32_out and x.is_cuda and x.dtype != torch.float32 and key not in _GROUPED_MM_FP32_BROKEN:
+            try:
                 return nn.functional.grouped_mm(x, w, offs=offsets, out_dtype=torch.float32)
+            except (RuntimeError, NotImplementedError, TypeError):
+                _GROUPED_MM_FP32_BROKEN.add(key)  # fp32 output unsupported here: convert after instead
+        try:
             out = nn.functional.grouped_mm(x, w, offs=offsets)
             return out.float() if fp32_out else out
-        except (RuntimeError, NotImplementedError, TypeError):
+        except (RuntimeError, NotImplementedError):
             _GROUPED_MM_BROKEN.add(key)
     import transformers.integrations.moe  # noqa: F401  (registers the fallback op)
 
