@@ -188,7 +188,12 @@ def main() -> None:
         "transformers": __import__("transformers").__version__,
         "python": platform.python_version(),
         "moe_attrib": ma.__version__,
+        "grouped_mm_fallbacks": sorted(map(str, __import__("moe_attrib.experts").experts._GROUPED_MM_BROKEN)),
+        "grouped_mm_fp32_out_unsupported": sorted(
+            map(str, __import__("moe_attrib.experts").experts._GROUPED_MM_FP32_BROKEN)
+        ),
     }
+    print(env)
     print(f"{'shape':24s} {'plain ms':>9s} {'collect ms':>11s} {'time ratio':>11s} {'mem ratio':>10s}")
     for r in results:
         print(
