@@ -70,19 +70,26 @@ def load_tokenizer(spec: str):
         return None  # pretokenized data still works; text data raises a DataError naming the row
 
 
+def load_inputs(args: argparse.Namespace, dist):
+    """Tokenizer, examples and model (on the rank's device) for `build` and `ekfac`."""
+    from moe_attrib.data import load_examples
+
+    tokenizer = load_tokenizer(args.model)
+    examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate)
+    model = load_model(args.model, resolve_precision(args.precision, dist.device)).to(dist.device)
+    return tokenizer, examples, model, getattr(tokenizer, "pad_token_id", None) or 0
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     from moe_attrib.build import build_index
-    from moe_attrib.data import DataError, load_examples
+    from moe_attrib.data import DataError
     from moe_attrib.distributed import setup
     from moe_attrib.experts import LayoutError
     from moe_attrib.index import IndexFileError
 
     dist = setup(args.device)
     try:
-        tokenizer = load_tokenizer(args.model)
-        examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate)
-        model = load_model(args.model, resolve_precision(args.precision, dist.device)).to(dist.device)
-        pad = getattr(tokenizer, "pad_token_id", None) or 0
+        _, examples, model, pad = load_inputs(args, dist)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             path = build_index(
@@ -116,16 +123,14 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_ekfac(args: argparse.Namespace) -> int:
-    from moe_attrib.data import DataError, load_examples
+    from moe_attrib.data import DataError
     from moe_attrib.distributed import setup
     from moe_attrib.ekfac import FactorMemoryError, fit_ekfac
     from moe_attrib.experts import LayoutError
 
     dist = setup(args.device)
     try:
-        tokenizer = load_tokenizer(args.model)
-        examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate)
-        model = load_model(args.model, resolve_precision(args.precision, dist.device)).to(dist.device)
+        _, examples, model, pad = load_inputs(args, dist)
         fit_ekfac(
             model,
             examples,
@@ -136,7 +141,7 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
             damping=args.damping,
             sampled_labels=args.sampled_labels,
             token_batch_size=args.token_batch_size,
-            pad_id=getattr(tokenizer, "pad_token_id", None) or 0,
+            pad_id=pad,
             max_memory_gib=args.max_factor_memory,
             factor_device=args.factor_device or dist.device,
             dist=dist,
@@ -205,6 +210,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_collection_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments shared by `build` and `ekfac`: model, data and how they are batched."""
+    parser.add_argument("model", help="tiny:<family>, a save_pretrained directory, or a hub id")
+    parser.add_argument("data", help="JSONL / text file (one example per line), a datasets directory, or a hub name")
+    parser.add_argument("--track_moe_experts", action="store_true", help="attribute every expert of fused MoE layers")
+    parser.add_argument("--filter_modules", default=None, help="glob over module names, e.g. '*.mlp.*'")
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    parser.add_argument("--token_batch_size", type=int, default=8192, help="padded tokens per batch")
+    parser.add_argument("--max_length", type=int, default=None, help="longest example allowed (see --truncate)")
+    parser.add_argument("--truncate", action="store_true", help="cut examples longer than --max_length")
+    parser.add_argument("--text_field", default="text")
+    parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-attrib", description="Per-example gradient attribution for Mixture-of-Experts language models."
@@ -217,18 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=cmd_inspect)
 
     build = sub.add_parser("build", help="per-example projected gradients of a dataset, written to an index")
-    build.add_argument("model", help="tiny:<family>, a save_pretrained directory, or a hub id")
-    build.add_argument("data", help="JSONL / text file (one example per line), a datasets directory, or a hub name")
+    add_collection_args(build)
     build.add_argument("--index", required=True, help="output directory (written as DIR.part, renamed when done)")
-    build.add_argument("--track_moe_experts", action="store_true", help="attribute every expert of fused MoE layers")
     build.add_argument("--projection_dim", type=int, default=16)
     build.add_argument("--seed", type=int, default=0, help="projection seed")
-    build.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    build.add_argument("--token_batch_size", type=int, default=8192, help="padded tokens per batch")
-    build.add_argument("--max_length", type=int, default=None, help="longest example allowed (see --truncate)")
-    build.add_argument("--truncate", action="store_true", help="cut examples longer than --max_length")
-    build.add_argument("--text_field", default="text")
-    build.add_argument("--filter_modules", default=None, help="glob over module names, e.g. '*.mlp.*'")
     build.add_argument("--expert_blocks", default="separate", choices=["separate", "sum"])
     build.add_argument("--attribute_tokens", action="store_true", help="one row per token instead of per example")
     build.add_argument(
@@ -237,29 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch optimizer state / HF Trainer checkpoint: Adam/Adafactor normalisation",
     )
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
-    build.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
-    build.add_argument("--quiet", action="store_true", help="no progress bar")
     build.set_defaults(func=cmd_build)
 
     ekfac = sub.add_parser("ekfac", help="fit EK-FAC factors (per expert, routers, dense modules)")
-    ekfac.add_argument("model")
-    ekfac.add_argument("data")
+    add_collection_args(ekfac)
     ekfac.add_argument("--out", required=True, help="output directory (safetensors + ekfac.json)")
-    ekfac.add_argument("--track_moe_experts", action="store_true")
-    ekfac.add_argument("--filter_modules", default=None)
     ekfac.add_argument("--projection_dim", type=int, default=None, help="fit factors in the projected space")
     ekfac.add_argument("--seed", type=int, default=0, help="projection seed (and label sampling)")
     ekfac.add_argument("--damping", type=float, default=0.1, help="relative damping: x mean(corrected eigenvalue)")
     ekfac.add_argument("--sampled_labels", action="store_true", help="true Fisher: labels drawn from the model")
-    ekfac.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    ekfac.add_argument("--token_batch_size", type=int, default=8192)
-    ekfac.add_argument("--max_length", type=int, default=None)
-    ekfac.add_argument("--truncate", action="store_true")
-    ekfac.add_argument("--text_field", default="text")
     ekfac.add_argument("--max_factor_memory", type=float, default=None, help="GiB; refuse to fit above it")
     ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")
-    ekfac.add_argument("--device", default=None)
-    ekfac.add_argument("--quiet", action="store_true")
     ekfac.set_defaults(func=cmd_ekfac)
 
     sc = sub.add_parser("score", help="top training examples of an index for each query")

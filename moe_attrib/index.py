@@ -34,6 +34,20 @@ class Block:
     shape: tuple[int, ...]
 
 
+def _entries(report: CoverageReport):
+    """(key in a fused `collect` result, experts layout or None, projection, weight|bias), in plan order."""
+    for t in report.targets:
+        if t.kind == "experts":
+            lay = t.layout
+            for proj in lay.projections:
+                for key in ["weight"] + (["bias"] if lay.bias(proj) is not None else []):
+                    yield f"{lay.name}.{proj}.{key}", lay, proj, key
+        else:
+            for key in ("weight", "bias"):
+                if t.module._parameters.get(key) is not None:
+                    yield f"{t.name}.{key}", None, None, key
+
+
 def column_plan(report: CoverageReport, projection_dim: int, expert_blocks: str) -> list[Block]:
     """Column blocks in target order: each weight is p*p columns, each bias p.
 
@@ -53,22 +67,13 @@ def column_plan(report: CoverageReport, projection_dim: int, expert_blocks: str)
         blocks.append(Block(name, col, col + size, shape))
         col += size
 
-    for t in report.targets:
-        if t.kind == "experts":
-            lay = t.layout
-            for proj in lay.projections:
-                keys = ["weight"] + (["bias"] if lay.bias(proj) is not None else [])
-                for key in keys:
-                    shape = (p, p) if key == "weight" else (p,)
-                    if expert_blocks == "sum":
-                        add(f"{lay.name}.{proj}.{key}", shape)
-                    else:
-                        for i in range(lay.num_experts):
-                            add(f"{lay.expert_name(i, proj)}.{key}", shape)
+    for grads_key, lay, proj, key in _entries(report):
+        shape = (p, p) if key == "weight" else (p,)
+        if lay is not None and expert_blocks == "separate":
+            for i in range(lay.num_experts):
+                add(f"{lay.expert_name(i, proj)}.{key}", shape)
         else:
-            add(f"{t.name}.weight", (p, p))
-            if t.module._parameters.get("bias") is not None:
-                add(f"{t.name}.bias", (p,))
+            add(grads_key, shape)
     return blocks
 
 
@@ -81,21 +86,11 @@ def flatten_batch(
 
     lead = 2 if per_token else 1
     parts = []
-    for t in report.targets:
-        if t.kind == "experts":
-            lay = t.layout
-            for proj in lay.projections:
-                keys = ["weight"] + (["bias"] if lay.bias(proj) is not None else [])
-                for key in keys:
-                    fused = grads[f"{lay.name}.{proj}.{key}"]  # [N, (S,) E, ...]
-                    if expert_blocks == "sum" and not per_token:
-                        fused = fused.sum(dim=1)
-                    parts.append(fused.reshape(*fused.shape[:lead], -1))
-        else:
-            for key in ("weight", "bias"):
-                if t.module._parameters.get(key) is not None:
-                    value = grads[f"{t.name}.{key}"]
-                    parts.append(value.reshape(*value.shape[:lead], -1))
+    for grads_key, lay, _proj, _key in _entries(report):
+        value = grads[grads_key]  # experts: [N, (S,) E, ...]
+        if lay is not None and expert_blocks == "sum" and not per_token:
+            value = value.sum(dim=1)
+        parts.append(value.reshape(*value.shape[:lead], -1))
     rows = torch.cat(parts, dim=-1).float().cpu().numpy()
     if rows.shape[-1] != blocks[-1].stop:
         raise IndexFileError(f"internal: batch has {rows.shape[1]} columns, the plan {blocks[-1].stop}")
