@@ -175,7 +175,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = model.to(device)
         q = query_gradients(model, queries, index, pad_id=getattr(tokenizer, "pad_token_id", None) or 0)
-        ekfac = load_ekfac(args.ekfac) if args.ekfac else None
+        ekfac = load_ekfac(args.ekfac if len(args.ekfac) > 1 else args.ekfac[0]) if args.ekfac else None
         result = score(
             index, q, ekfac=ekfac, unit_normalize=args.unit_normalize, top_k=args.top_k, per_module=args.per_module
         )
@@ -266,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--index", required=True)
     sc.add_argument("model")
     sc.add_argument("queries", help="JSONL / text file of queries (same formats as build's DATA)")
-    sc.add_argument("--ekfac", default=None, help="EK-FAC factors fitted with the index's projection settings")
+    sc.add_argument(
+        "--ekfac", nargs="+", default=None, help="EK-FAC dir(s) fitted with the index's projection settings"
+    )
     sc.add_argument("--unit_normalize", action="store_true", help="cosine instead of inner product")
     sc.add_argument("--top_k", type=int, default=10)
     sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")

@@ -103,8 +103,23 @@ class EKFAC:
         (path / "ekfac.json").write_text(json.dumps(info, indent=2))
 
 
-def load_ekfac(path: str | Path, device: str | torch.device = "cpu") -> EKFAC:
-    """Load factors saved by `fit_ekfac(..., out=...)` / `moe-attrib ekfac`."""
+def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> EKFAC:
+    """Load factors saved by `fit_ekfac(..., out=...)` / `moe-attrib ekfac`.
+
+    A list of directories merges module partitions fitted separately (`--filter_modules`); they
+    must share the projection settings and may not overlap.
+    """
+    if isinstance(path, (list, tuple)):
+        parts = [load_ekfac(p, device) for p in path]
+        merged = EKFAC(projection_dim=parts[0].projection_dim, seed=parts[0].seed, settings=parts[0].settings)
+        for p, part in zip(path, parts, strict=True):
+            if (part.projection_dim, part.seed) != (merged.projection_dim, merged.seed):
+                raise ValueError(f"{p}: projection settings differ from {path[0]}; partitions must share them.")
+            overlap = set(part.factors) & set(merged.factors)
+            if overlap:
+                raise ValueError(f"{p}: modules fitted twice: {sorted(overlap)[:3]}")
+            merged.factors.update(part.factors)
+        return merged
     from safetensors.torch import load_file
 
     path = Path(path)

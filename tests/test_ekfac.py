@@ -241,3 +241,18 @@ def test_cli_torchrun_two_ranks_equal_one(model_dir, tmp_path):  # noqa: F811
         timeout=600,
     )
     assert refused.returncode == 2 and "--filter_modules" in refused.stderr
+
+
+def test_partitions_merge(tmp_path):
+    model = tiny_model("qwen3_moe")
+    exs = examples(6)
+    whole = fit_ekfac(model, exs, token_batch_size=1000, progress=False)
+    fit_ekfac(model, exs, token_batch_size=1000, filter_modules="model.layers.0.*", progress=False, out=tmp_path / "a")
+    fit_ekfac(model, exs, token_batch_size=1000, filter_modules="model.layers.1.*", progress=False, out=tmp_path / "b")
+    fit_ekfac(model, exs, token_batch_size=1000, filter_modules="lm_head", progress=False, out=tmp_path / "c")
+    merged = load_ekfac([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
+    assert set(merged.factors) == set(whole.factors)
+    for name, f in whole.factors.items():
+        assert rel_err(merged.factors[name].lam, f.lam) < 1e-5, name  # rows are rotated in fp32
+    with pytest.raises(ValueError, match="twice"):
+        load_ekfac([tmp_path / "a", tmp_path / "a"])
