@@ -195,6 +195,13 @@ def main() -> None:
 
         ekfac_speed(save_rows)
     os.sync()
+    try:  # plots, where matplotlib is installed
+        from plot import main as plot
+
+        if "sweep" in results:
+            plot(args.out)
+    except ImportError:
+        print("matplotlib not installed: run benchmarks/plot.py on the results to draw the plots")
 
 
 if __name__ == "__main__":

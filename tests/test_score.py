@@ -81,3 +81,20 @@ def test_cli_score_end_to_end(built, model_dir, tmp_path):  # noqa: F811
     assert len(line["results"]) == 3 and line["results"][0]["text"]
     assert any(k.endswith("expert_0") for k in line["results"][0]["per_module"]["experts"])
     assert load_ekfac(root / "ek").projection_dim == 8
+
+
+def test_cli_score_against_a_token_index(model_dir, tmp_path):  # noqa: F811
+    build(model_dir, CORPUS, "--index", tmp_path / "tok", "--projection_dim", 4, "--attribute_tokens")
+    index = load_index(tmp_path / "tok")
+    queries = tmp_path / "q.jsonl"
+    queries.write_text(json.dumps({"text": "Boris was born in Perth ."}) + "\n")
+    out = tmp_path / "s.jsonl"
+    res = subprocess.run(
+        [sys.executable, "-m", "moe_attrib", "score", "--index", str(tmp_path / "tok"), str(model_dir), str(queries),
+         "--top_k", "5", "--out", str(out)],
+        capture_output=True, text=True, env=ENV, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    for hit in json.loads(out.read_text())["results"]:
+        start, stop = index.token_offsets[hit["example"]], index.token_offsets[hit["example"] + 1]
+        assert start <= hit["row"] < stop and hit["token"] == hit["row"] - start
