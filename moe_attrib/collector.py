@@ -320,12 +320,12 @@ class GradientCollector:
 
         def forward(*args, **kwargs):
             if not layout.decorated and id(layout.module) not in self._verified:
-                self._verify(layout, original, grouped, args, kwargs)
+                self._verify(layout, original, args, kwargs)
             return grouped(*args, **kwargs)
 
         return forward
 
-    def _verify(self, layout: ExpertsLayout, original, grouped, args, kwargs) -> None:
+    def _verify(self, layout: ExpertsLayout, original, args, kwargs) -> None:
         """Check an undecorated family's grouped forward against the module's own, once."""
         with torch.no_grad():
             ref = original(layout.module, *args, **kwargs)

@@ -299,13 +299,17 @@ def fit_ekfac(
 
     proj = Projections(projection_dim, seed, dist.device, torch.float32) if projection_dim else None
 
+    rotations: dict[tuple, torch.Tensor] = {}
+
     def rotator(name, side, features, like, batch):
-        f = factors[name]
-        q = f.QA if side == "in" else f.QG
-        q = q.to(like.device, torch.float32)
-        if proj is not None:
-            q = proj.get(name, side, features, batch).float() @ q
-        return q.to(like.dtype)
+        key = (name, side, like.device, like.dtype)
+        if key not in rotations:  # built once per target, not in every hook call
+            f = factors[name]
+            q = (f.QA if side == "in" else f.QG).to(like.device, torch.float32)
+            if proj is not None:
+                q = proj.get(name, side, features, batch).float() @ q
+            rotations[key] = q.to(like.dtype)
+        return rotations[key]
 
     total = torch.zeros((), dtype=torch.float64)
 
