@@ -9,17 +9,15 @@ nothing is skipped silently.
 from __future__ import annotations
 
 import fnmatch
-import functools
-import inspect
-import re
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from moe_attrib.experts import ExpertLinear, ExpertsLayout, _ExpertSlot, experts_layout
-from moe_attrib.families import grouped_linear_groups
+from moe_attrib.experts import ExpertLinear, ExpertSlot
+from moe_attrib.layouts import ExpertsLayout, LayoutError, experts_layout
 
 EMBEDDING_REASON = "embedding table (excluded by design: its per-example gradient is a sparse row gather)"
 TRACK_FLAG = "--track_moe_experts"
@@ -34,11 +32,58 @@ class Target:
     kind: str
     transposed: bool = False
     layout: ExpertsLayout | None = None
-    scope: nn.Module | None = None  # tapped: the module whose forward uses the weight (else hooked)
+    scope: nn.Module | None = None  # tapped inside its own forward (custom forward, router); None: hooked
 
     @property
     def tracked_names(self) -> list[str]:
         return self.layout.expert_names() if self.layout is not None else [self.name]
+
+    def entries(self) -> Iterator[Entry]:
+        """Every attributed parameter of the target, in plan order (weight before bias, projection-major)."""
+        if self.layout is not None:
+            for proj, key, param in self.layout.params():
+                yield Entry(f"{self.layout.name}.{proj}.{key}", self, f"{self.layout.name}.{proj}", key, param, proj)
+            return
+        for key in ("weight", "bias"):
+            param = self.module._parameters.get(key)
+            if param is not None:
+                yield Entry(f"{self.name}.{key}", self, self.name, key, param)
+
+
+@dataclass
+class Entry:
+    """One attributed parameter. `key`: its key in a fused `collect` result (`<block>.weight|bias`);
+    `block`: the target or experts projection (`<experts>.<proj>`) it belongs to; `proj`: the experts
+    projection, None for other targets."""
+
+    key: str
+    target: Target
+    block: str
+    kind: str  # "weight" | "bias"
+    param: nn.Parameter
+    proj: str | None = None
+
+    @property
+    def layout(self) -> ExpertsLayout | None:
+        return self.target.layout
+
+
+def iter_entries(targets: Iterable[Target]) -> Iterator[Entry]:
+    """The one walk over attributed parameters that every consumer (formation, index, EK-FAC, normalizers) uses."""
+    for t in targets:
+        yield from t.entries()
+
+
+def grouped_linear_groups(module: nn.Module) -> int | None:
+    """Number of groups of a block-diagonal grouped linear (deepseek_v4 `o_a_proj`), else None.
+
+    Such a module is an `nn.Linear` whose weight `[out, in_per_group]` is applied group-wise:
+    input `[..., G, in_per_group]`, output `[..., G, out / G]`.
+    """
+    groups = getattr(module, "n_groups", None)
+    if isinstance(module, nn.Linear) and isinstance(groups, int) and type(module).forward is not nn.Linear.forward:
+        return groups
+    return None
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -52,22 +97,14 @@ def _routerish(module: nn.Module) -> bool:
     return any(hasattr(module, h) for h in _ROUTER_HINTS) or "router" in type(module).__name__.lower()
 
 
+def _named_like_router(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return "router" in name or name.endswith("gate")
+
+
 def _is_router(module: nn.Module) -> bool:
     weight = module._parameters.get("weight")
     return weight is not None and weight.dim() == 2 and _routerish(module)
-
-
-_WEIGHT_USE = re.compile(r"self\.(\w+)\.weight\b")
-
-
-@functools.cache
-def _children_weights_used(cls: type) -> frozenset[str]:
-    """Children whose `.weight` the class's forward reads directly (bypassing their forward)."""
-    try:
-        source = inspect.getsource(getattr(cls.forward, "__wrapped__", cls.forward))
-    except (OSError, TypeError):
-        return frozenset()
-    return frozenset(_WEIGHT_USE.findall(source))
 
 
 def _reason(module: nn.Module, pname: str, param: torch.Tensor) -> str:
@@ -100,6 +137,7 @@ class CoverageReport:
     excluded_params: int
     param_sizes: dict[str, int] = field(default_factory=dict)
     track_moe_experts: bool = True
+    unsupported: dict[str, str] = field(default_factory=dict)  # experts-like module -> why it cannot be read
 
     @property
     def coverage(self) -> float:
@@ -152,6 +190,10 @@ def _all_params(layout: ExpertsLayout) -> list[str]:
     return names
 
 
+def _matches(names: list[str], pattern: str | None) -> bool:
+    return pattern is None or any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
 def discover(
     model: nn.Module, track_moe_experts: bool = True, warn: bool = True, filter_modules: str | None = None
 ) -> CoverageReport:
@@ -161,10 +203,14 @@ def discover(
     experts modules that will be skipped, the share of parameters lost, and the flag that
     tracks them. `filter_modules` (a glob, e.g. `*.mlp.*`) keeps only targets whose module name
     or one of whose per-expert names matches; the rest are reported as filtered out.
+
+    An experts-like module whose layout no registered family reads raises `LayoutError` only when
+    it would be attributed (tracking on and kept by the filter); otherwise it is reported as
+    skipped and a `UserWarning` names it with the share of parameters lost.
     """
     owner: dict[int, tuple[str, nn.Module, str]] = {}
     for mname, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, (ExpertLinear, _ExpertSlot)):
+        if isinstance(module, (ExpertLinear, ExpertSlot)):
             continue
         for pname, p in module.named_parameters(recurse=False):
             owner.setdefault(id(p), (mname, module, pname))
@@ -176,16 +222,25 @@ def discover(
     targets: list[Target] = []
     experts: list[ExpertsLayout] = []
 
-    scopes: dict[int, nn.Module] = {}
+    unsupported: dict[str, str] = {}
+    unsupported_ids: dict[int, str] = {}
+    parents: dict[int, nn.Module] = {}
     for module in model.modules():
-        for child_name in _children_weights_used(type(module)):
-            child = module._modules.get(child_name)
-            if child is not None:
-                scopes[id(child)] = module
+        for child in module.children():
+            parents.setdefault(id(child), module)
     for mname, module in model.named_modules():
-        if isinstance(module, (ExpertLinear, _ExpertSlot)):
+        if isinstance(module, (ExpertLinear, ExpertSlot)):
             continue
-        layout = experts_layout(mname, module)
+        try:
+            layout = experts_layout(mname, module)
+        except LayoutError as err:
+            own = [pn for pn, _ in module.named_parameters(recurse=False)]
+            if track_moe_experts and _matches([mname] + [f"{mname}.{pn}" for pn in own], filter_modules):
+                raise
+            unsupported[mname] = str(err)
+            for _, p in module.named_parameters(recurse=False):
+                unsupported_ids[id(p)] = mname
+            continue
         if layout is not None:
             experts.append(layout)
             if track_moe_experts:
@@ -208,11 +263,12 @@ def discover(
             kind, transposed = "router", False
         else:
             continue
-        scope = scopes.get(id(module))
-        if scope is None and (kind == "router" or type(module).forward is not nn.Linear.forward) and kind != "conv1d":
+        parent = parents.get(id(module))
+        if kind == "linear" and parent is not None and _routerish(parent) and _named_like_router(parent):
+            kind = "router"  # a router's scoring linear (e.g. longcat's `router.classifier`)
+        scope = None
+        if kind != "conv1d" and (kind == "router" or type(module).forward is not nn.Linear.forward):
             scope = module  # custom forward: tap the weight's use inside it
-        if scope is not None and scope is not module and _routerish(scope):
-            kind = "router"
         targets.append(Target(mname, module, kind, transposed, scope=scope))
         for pn in ("weight", "bias"):
             p = module._parameters.get(pn)
@@ -241,7 +297,10 @@ def discover(
             )
             excluded_params += excluded_ids[id(p)]
         elif done == 0:
-            if id(p) in filtered_ids:
+            if id(p) in unsupported_ids:
+                reason = unsupported[unsupported_ids[id(p)]].split(". ")[0]
+                skipped[n] = f"experts layout moe-attrib cannot read ({reason})"
+            elif id(p) in filtered_ids:
                 skipped[n] = f"not matched by --filter_modules {filter_modules!r}"
             elif experts_layout_for(experts, module) is not None:
                 skipped[n] = f"fused experts parameter of {type(module).__name__} (tracking off: pass {TRACK_FLAG})"
@@ -265,16 +324,17 @@ def discover(
         excluded_params=excluded_params,
         param_sizes=sizes,
         track_moe_experts=track_moe_experts,
+        unsupported=unsupported,
     )
     if warn and experts and not track_moe_experts:
         warn_skipped_experts(report)
+    if warn and unsupported:
+        warn_unsupported_experts(report)
     return report
 
 
 def _target_params(t: Target) -> list[torch.Tensor]:
-    if t.layout is not None:
-        return [getattr(t.module, n) for n in _all_params(t.layout)]
-    return [p for p in (t.module._parameters.get("weight"), t.module._parameters.get("bias")) if p is not None]
+    return [e.param for e in t.entries()]
 
 
 def experts_layout_for(experts: list[ExpertsLayout], module: nn.Module) -> ExpertsLayout | None:
@@ -291,6 +351,24 @@ def warn_skipped_experts(report: CoverageReport) -> None:
         f"moe-attrib: {len(names)} fused experts module(s) will NOT be attributed ({shown}): "
         f"{lost:,} parameters, {share:.1%} of all trainable parameters. Pass {TRACK_FLAG} "
         "(track_moe_experts=True in Python) to attribute every expert.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def warn_unsupported_experts(report: CoverageReport) -> None:
+    """The warning for experts-like modules left out because no registered layout family reads them."""
+    sizes = {}
+    for name in report.unsupported:
+        sizes[name] = sum(size for pname, size in report.param_sizes.items() if pname.rsplit(".", 1)[0] == name)
+    lost = sum(sizes.values())
+    share = lost / report.total_params if report.total_params else 0.0
+    shown = ", ".join(f"{n} ({sizes[n]:,} parameters)" for n in list(report.unsupported)[:4])
+    more = f", ... ({len(report.unsupported)} in all)" if len(report.unsupported) > 4 else ""
+    warnings.warn(
+        f"moe-attrib: {len(report.unsupported)} experts module(s) with a layout moe-attrib cannot read are NOT "
+        f"attributed: {shown}{more}; {lost:,} parameters, {share:.1%} of all trainable parameters. The rest of "
+        f"the model is attributed. Reason: {next(iter(report.unsupported.values())).split('. ')[0]}.",
         UserWarning,
         stacklevel=3,
     )

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from moe_attrib.collector import GradientCollector, _Batch, _Capture
+from moe_attrib.capture import BatchInfo, CaptureRecord
+from moe_attrib.collector import GradientCollector
 from moe_attrib.data import Example, collate, token_batches
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.distributed import Dist
@@ -149,8 +150,6 @@ def _dims(report: CoverageReport, p: int | None) -> list[tuple[str, bool, int | 
                 fin, fout = lay.features(proj)
                 out.append((f"{lay.name}.{proj}", lay.transposed, lay.num_experts, p or fin, p or fout))
         else:
-            if t.kind == "grouped_linear":
-                continue  # reported by memory_plan
             rows, cols = t.module.weight.shape
             fin, fout = (rows, cols) if t.transposed else (cols, rows)
             out.append((t.name, t.transposed, None, p or fin, p or fout))
@@ -166,8 +165,7 @@ def memory_plan(report: CoverageReport, projection_dim: int | None) -> dict:
         size = 8 * e * (2 * a * a + 2 * g * g + a + g + a * g)
         kind = "experts" if experts else kinds.get(name, "linear")
         per_kind[kind] = per_kind.get(kind, 0) + size
-    skipped = [t.name for t in report.targets if t.kind == "grouped_linear"]
-    return {"per_kind": per_kind, "total": sum(per_kind.values()), "unsupported": skipped}
+    return {"per_kind": per_kind, "total": sum(per_kind.values()), "unsupported": []}
 
 
 def format_plan(plan: dict) -> str:
@@ -186,25 +184,26 @@ class _Accumulator:
     def __init__(self, factors: dict[str, Factor]):
         self.factors = factors
 
-    def __call__(self, captures: list[_Capture], batch: _Batch) -> None:
-        for c in captures:
+    def __call__(self, records: list[CaptureRecord], batch: BatchInfo) -> None:
+        for c in records:
             if c.g is None or c.name not in self.factors:
                 continue
             f = self.factors[c.name]
             if c.grid is None:
                 x, g = c.x.reshape(-1, c.x.shape[-1]).double(), c.g.reshape(-1, c.g.shape[-1]).double()
-                real = batch.mask if batch.mask is not None and x.shape[0] == batch.mask.numel() else None
+                real = c.row_mask(batch)
                 real = torch.ones(x.shape[0], device=x.device) if real is None else real
                 real = real.double()[:, None]
                 f.A += ((x * real).T @ x).to(f.A.device)
                 f.G += ((g * real).T @ g).to(f.G.device)
                 f.tokens += real.sum().to(f.tokens.device)
                 continue
-            rows, e = c.grid["rows"], c.layout.num_experts
+            rows, e = c.grid.rows, c.layout.num_experts
             valid = rows.expert < e
             real = valid.double()
-            if batch.mask is not None and rows.num_tokens == batch.mask.numel():
-                real = real * batch.mask[rows.token].double()
+            mask = c.row_mask(batch)
+            if mask is not None:
+                real = real * mask.double()
             pos = torch.arange(rows.expert.numel(), device=real.device) - torch.searchsorted(rows.expert, rows.expert)
             length = max(int(pos.max()) + 1, 1) if pos.numel() else 1
             flat = torch.where(valid, rows.expert * length + pos, e * length)
@@ -249,7 +248,6 @@ def fit_ekfac(
     dist = dist or Dist(0, 1, device)
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
     plan = memory_plan(report, projection_dim)
-    report.targets = [t for t in report.targets if t.kind != "grouped_linear"]
     if dist.is_main and progress:
         print(format_plan(plan))
     if max_memory_gib is not None and plan["total"] > max_memory_gib * 2**30:
@@ -281,8 +279,9 @@ def fit_ekfac(
             each(batch)
 
     sink = _Accumulator(factors)
-    with GradientCollector(model, report, projection_dim=projection_dim, seed=seed, row_sink=sink) as collector:
-        collector._exact_lengths = True
+    with GradientCollector(
+        model, report, projection_dim=projection_dim, seed=seed, row_sink=sink, exact_lengths=True
+    ) as collector:
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         run(collector, "ekfac covariances", lambda out: None)
@@ -321,8 +320,7 @@ def fit_ekfac(
             rotated = out[key].double().to(fdev)  # [N, (E,) rows, cols]
             f.lam += (rotated**2).sum(dim=0)
 
-    with GradientCollector(model, report, projector=rotator) as collector:
-        collector._exact_lengths = True
+    with GradientCollector(model, report, projector=rotator, exact_lengths=True) as collector:
         torch.manual_seed(seed)
         run(collector, "ekfac eigenvalue correction", add)
     torch.random.set_rng_state(gen_state)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_attrib.discovery import CoverageReport
+from moe_attrib.discovery import CoverageReport, iter_entries
 
 FORMAT_VERSION = 1
 
@@ -36,16 +36,8 @@ class Block:
 
 def _entries(report: CoverageReport):
     """(key in a fused `collect` result, experts layout or None, projection, weight|bias), in plan order."""
-    for t in report.targets:
-        if t.kind == "experts":
-            lay = t.layout
-            for proj in lay.projections:
-                for key in ["weight"] + (["bias"] if lay.bias(proj) is not None else []):
-                    yield f"{lay.name}.{proj}.{key}", lay, proj, key
-        else:
-            for key in ("weight", "bias"):
-                if t.module._parameters.get(key) is not None:
-                    yield f"{t.name}.{key}", None, None, key
+    for e in iter_entries(report.targets):
+        yield e.key, e.layout, e.proj, e.kind
 
 
 def column_plan(report: CoverageReport, projection_dim: int, expert_blocks: str) -> list[Block]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moe_attrib.discovery import CoverageReport
+from moe_attrib.discovery import CoverageReport, iter_entries
 from moe_attrib.projection import Projections
 
 
@@ -80,24 +80,18 @@ class Normalizer:
     def __init__(self, model: nn.Module, report: CoverageReport, states: dict[str, dict], eps: float = 1e-30):
         self.scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (in-side, out-side)
         names = {id(p): n for n, p in model.named_parameters()}
-        for t in report.targets:
-            params = (
-                [
-                    (f"{t.layout.name}.{proj}", t.layout.param(proj), t.layout.transposed)
-                    for proj in t.layout.projections
-                ]
-                if t.kind == "experts"
-                else [(t.name, t.module.weight, t.transposed)]
-            )
-            for name, param, transposed in params:
-                entry = states.get(names.get(id(param), ""))
-                if entry is None:
-                    raise OptimizerStateError(f"no optimizer state for {name}'s weight")
-                r, c = rank1_second_moment(entry)
-                mean = r.mean(dim=-1, keepdim=True)
-                s_rows, s_cols = (mean / (r + eps)).sqrt(), 1 / (c + eps).sqrt()
-                s_in, s_out = (s_rows, s_cols) if transposed else (s_cols, s_rows)
-                self.scales[name] = (s_in.float(), s_out.float())
+        for e in iter_entries(report.targets):
+            if e.kind != "weight":
+                continue
+            name, param, transposed = e.block, e.param, e.target.transposed
+            entry = states.get(names.get(id(param), ""))
+            if entry is None:
+                raise OptimizerStateError(f"no optimizer state for {name}'s weight")
+            r, c = rank1_second_moment(entry)
+            mean = r.mean(dim=-1, keepdim=True)
+            s_rows, s_cols = (mean / (r + eps)).sqrt(), 1 / (c + eps).sqrt()
+            s_in, s_out = (s_rows, s_cols) if transposed else (s_cols, s_rows)
+            self.scales[name] = (s_in.float(), s_out.float())
 
     def projector(self, projection_dim: int | None, seed: int = 0):
         """A `projector` for `GradientCollector`: scaling then (optionally) the seeded projection."""

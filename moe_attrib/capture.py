@@ -1,0 +1,513 @@
+"""Capture: hooks, router taps and experts collection forwards that record every target's rows.
+
+A `Capture` installed on a model records, for each target call of a batch, a `CaptureRecord`:
+the input rows `x` (forward) and the output-gradient rows `g` (backward), projected on the way
+in when a projector is given, and for fused experts the routed grid that places each routed row
+in the per-(expert, example) `[E * N, L, .]` grid. What is done with the records (per-example or
+per-token gradients, EK-FAC covariances) is the consumer's business.
+
+Dense targets with a plain forward are captured by forward hooks. Weights used elsewhere (routers
+computing logits from a bare parameter, a parent reading a child's `.weight`, through helper
+methods too) are found at run time: the first batch runs under a tap that follows every watched
+weight and notes the module whose forward uses it; later batches tap only those modules. A
+watched weight whose module ran without using it through `F.linear` or a matmul is an error.
+Experts modules run the collection forward of their layout family in place of their innermost
+forward (composing with accelerate's hooks), each checked against its own forward on its first call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from moe_attrib.discovery import Target, grouped_linear_groups
+from moe_attrib.layouts import (
+    ExpertsLayout,
+    Kernels,
+    LayoutError,
+    RoutedRows,
+    is_out_of_memory,
+    null_sink,
+)
+
+Projector = Callable[[str, str, int, torch.Tensor, "int | None"], torch.Tensor]
+
+
+@dataclass
+class BatchInfo:
+    """The batch being captured: `n` examples of `seq_len` tokens; `mask` `[N * S]` float (1 = real token)."""
+
+    n: int
+    seq_len: int
+    mask: torch.Tensor | None
+
+
+@dataclass
+class RoutedGrid:
+    """Where each routed row of one experts call goes in the `[segments, length, .]` grid.
+
+    `segments` is `E * N` (expert-major); `flat[r]` is row r's flat grid position, -1 for rows
+    of zero-compute experts when `trash` is set.
+    """
+
+    rows: RoutedRows
+    flat: torch.Tensor
+    length: int
+    segments: int
+    trash: bool
+
+
+@dataclass
+class CaptureRecord:
+    """Rows of one target call. Dense: `x` `[N, R, a]`, `g` `[N, R, b]` (`R` = tokens * `groups`);
+    experts (`grid` set): `x` `[rows, a]`, `g` `[rows, b]`, routed expert-major. `g` stays None
+    until the backward reaches the call (it never does for calls off the loss path)."""
+
+    name: str
+    x: torch.Tensor
+    transposed: bool
+    has_bias: bool
+    g: torch.Tensor | None = None
+    grid: RoutedGrid | None = None
+    layout: ExpertsLayout | None = None
+    groups: int = 1
+
+    def row_mask(self, batch: BatchInfo) -> torch.Tensor | None:
+        """`[rows]` float, 1 for rows of real tokens (None: every row is real)."""
+        if batch.mask is None:
+            return None
+        if self.grid is not None:
+            rows = self.grid.rows
+            return batch.mask[rows.token] if rows.num_tokens == batch.mask.numel() else None
+        if self.x.shape[0] * self.x.shape[1] != batch.mask.numel() * self.groups:
+            return None
+        return batch.mask.repeat_interleave(self.groups) if self.groups > 1 else batch.mask
+
+
+class _LinearTap(TorchFunctionMode):
+    """Catches `F.linear` / matmul calls that use a watched weight (also through casts and transposes).
+
+    `on_use(target, x, out, out_transposed)` receives each call's input rows and output. With a
+    module `stack` (first batch), each use is also recorded in `uses` under the module running it.
+    """
+
+    _DERIVE = {
+        torch.Tensor.to,
+        torch.Tensor.type,
+        torch.Tensor.float,
+        torch.Tensor.half,
+        torch.Tensor.bfloat16,
+        torch.Tensor.contiguous,
+    }
+    _FLIP = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__}
+    _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm}
+
+    def __init__(self, targets: list[Target], on_use: Callable, stack: list[nn.Module] | None = None):
+        super().__init__()
+        self.tracked: dict[int, tuple[torch.Tensor, Target, bool]] = {
+            id(t.module.weight): (t.module.weight, t, False) for t in targets
+        }
+        self.on_use = on_use
+        self.stack = stack
+        self.hit: set[str] = set()
+        self.uses: dict[str, set[nn.Module]] = {}
+
+    def _use(self, entry, x, out, weight_left: bool = False) -> None:
+        target = entry[1]
+        if self.stack is not None:
+            running = self.stack[-1] if self.stack else None
+            self.uses.setdefault(target.name, set()).add(running)
+            if running is target.module and target.scope is None:
+                return  # a hooked module's own forward: its forward hook captures it
+        self.hit.add(target.name)
+        if weight_left:  # W @ X with X [..., in, S]: rows are the last axis
+            self.on_use(target, x.transpose(-1, -2), out, True)
+        else:
+            self.on_use(target, x, out, False)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.nn.functional.linear:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            entry = self.tracked.get(id(weight))
+            if entry is not None and not entry[2]:
+                self._use(entry, args[0], out)
+        elif func in self._MATMUL and len(args) == 2:
+            entry = self.tracked.get(id(args[1]))
+            if entry is not None and entry[2]:
+                self._use(entry, args[0], out)
+            entry = self.tracked.get(id(args[0]))
+            if entry is not None and not entry[2]:
+                self._use(entry, args[1], out, weight_left=True)
+        elif func in self._DERIVE or func in self._FLIP:
+            entry = self.tracked.get(id(args[0])) if args else None
+            if entry is not None and isinstance(out, torch.Tensor):
+                self.tracked[id(out)] = (out, entry[1], entry[2] ^ (func in self._FLIP))
+        return out
+
+
+class Capture:
+    """Installs capture on a model's targets; a context manager that removes everything on exit.
+
+    `projector(name, side, features, like, batch)` gives the matrix rows are multiplied by on
+    capture (None: rows are kept as they are). `exact_lengths=True` sizes the routed grid by the
+    longest (expert, example) run instead of the example length (one host sync per experts call).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        targets: list[Target],
+        *,
+        projector: Projector | None = None,
+        kernels: Kernels | None = None,
+        exact_lengths: bool = False,
+    ):
+        self.model = model
+        self.targets = targets
+        self.projector = projector
+        self.kernels = kernels or Kernels()
+        self.exact_lengths = exact_lengths
+        self.batch: BatchInfo | None = None
+        self.records: list[CaptureRecord] = []
+        self.counts: dict[str, torch.Tensor] = {}
+        self._overflow: list[torch.Tensor] = []
+        self._handles: list = []
+        self._target_handles: dict[str, list] = {}
+        self._restore: list[tuple[nn.Module, str, bool, object]] = []
+        self._requires_grad: dict[nn.Parameter, bool] = {}
+        self._verified: set[int] = set()
+        self._watched = [t for t in targets if t.kind in ("linear", "router")]
+        self._first_batch = True
+
+    # -- installation -------------------------------------------------------------------------
+    def __enter__(self) -> Capture:
+        try:
+            for p in self.model.parameters():
+                self._requires_grad[p] = p.requires_grad
+                p.requires_grad_(False)
+            embed = self.model.get_input_embeddings()
+            self._handles.append(embed.register_forward_hook(lambda m, a, out: out.requires_grad_(True)))
+            for target in self.targets:
+                if target.kind == "experts":
+                    self._install_experts(target.layout)
+                elif target.kind == "grouped_linear":
+                    hook = target.module.register_forward_hook(lambda m, a, out, t=target: self._grouped(t, a[0], out))
+                    self._target_handles[target.name] = [hook]
+                elif target.scope is None:
+                    hook = target.module.register_forward_hook(
+                        lambda m, a, out, t=target: self._dense(t, a[0], out, t.transposed)
+                    )
+                    self._target_handles[target.name] = [hook]
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for hooks in self._target_handles.values():
+            for h in hooks:
+                h.remove()
+        self._target_handles.clear()
+        for module, attr, had, previous in reversed(self._restore):
+            if had:
+                module.__dict__[attr] = previous
+            else:
+                del module.__dict__[attr]
+        self._restore.clear()
+        for p, flag in self._requires_grad.items():
+            p.requires_grad_(flag)
+        self._requires_grad.clear()
+
+    def _install_experts(self, layout: ExpertsLayout) -> None:
+        """Run the layout's collection forward in place of the module's innermost forward.
+
+        A plain module gets an instance `forward`; a module dispatched with accelerate keeps its hook
+        (`forward` wrapping `_old_forward`) and only `_old_forward` is replaced, so device placement
+        and offloading still happen around the collection forward. Exit restores exactly what was there.
+        """
+        module = layout.module
+        if "forward" in module.__dict__:
+            if "_old_forward" in module.__dict__ and hasattr(module, "_hf_hook"):
+                attr = "_old_forward"
+            else:
+                raise LayoutError(
+                    f"{layout.name} ({type(module).__name__}) has an instance-level `forward` "
+                    f"({module.__dict__['forward']!r}) that moe-attrib cannot compose with. Remove it before "
+                    "collecting, or wrap the module with hooks (register_forward_hook) instead."
+                )
+        else:
+            attr = "forward"
+        inner = getattr(module, attr)
+        wrapped = getattr(type(module).forward, "__wrapped__", None)
+        # decorated modules: check against the eager forward the layout declares, not a dispatch of it
+        reference = wrapped.__get__(module) if layout.decorated and wrapped is not None else inner
+        grouped = layout.collection_forward(self.kernels, self._experts_sink)
+
+        def forward(*args, **kwargs):
+            if id(module) not in self._verified:
+                self._verify(layout, reference, args, kwargs)
+            return grouped(*args, **kwargs)
+
+        self._restore.append((module, attr, attr in module.__dict__, module.__dict__.get(attr)))
+        module.__dict__[attr] = forward
+
+    def _verify(self, layout: ExpertsLayout, reference: Callable, args, kwargs) -> None:
+        """Check the collection forward against the module's own forward, once per module."""
+        with torch.no_grad():
+            ref = reference(*args, **kwargs)
+            try:
+                got = layout.collection_forward(self.kernels, null_sink)(*args, **kwargs)
+            except (RuntimeError, ValueError, IndexError, TypeError) as err:
+                if is_out_of_memory(err):
+                    raise
+                raise LayoutError(
+                    f"{layout.name} ({type(layout.module).__name__}): moe-attrib's '{layout.family}' collection "
+                    f"forward fails on this module's inputs ({type(err).__name__}: {err}). Its layout is not the "
+                    "one declared or assumed; register a layout family in moe_attrib/layouts/."
+                ) from err
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        err = (got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+        tol = 1e-4 if ref.dtype == torch.float32 else 2e-2
+        if got.shape != ref.shape or not torch.isfinite(err) or err > tol:
+            raise LayoutError(
+                f"{layout.name} ({type(layout.module).__name__}): moe-attrib's '{layout.family}' collection forward "
+                f"differs from the module's own forward (relative error {float(err):.2e}). Its layout is not the "
+                "one declared or assumed; register a layout family in moe_attrib/layouts/."
+            )
+        self._verified.add(id(layout.module))
+
+    # -- one batch -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def recording(self, batch: BatchInfo) -> Iterator[None]:
+        """Wrap the model's forward: records of this batch accumulate in `records` until `reset()`."""
+        self.batch = batch
+        self.records, self.counts, self._overflow = [], {}, []
+        if not self._first_batch or not self._watched:
+            yield
+            return
+        stack: list[nn.Module] = []
+        ran: set[int] = set()
+        hooks = []
+
+        def push(module, args) -> None:
+            stack.append(module)
+            ran.add(id(module))
+
+        def pop(module, args, out) -> None:
+            stack.pop()
+
+        for module in self.model.modules():
+            hooks.append(module.register_forward_pre_hook(push))
+            hooks.append(module.register_forward_hook(pop, always_call=True))
+        tap = _LinearTap(self._watched, self._tapped, stack)
+        try:
+            with tap:
+                yield
+        finally:
+            for h in hooks:
+                h.remove()
+        self._install_taps(tap.uses, ran)
+        self._first_batch = False
+
+    def _install_taps(self, uses: dict[str, set[nn.Module]], ran: set[int]) -> None:
+        """Tap each watched weight in the forward that used it on the first batch."""
+        taps: dict[nn.Module, list[Target]] = {}
+        for t in self._watched:
+            hooked = t.scope is None
+            scopes = {m for m in uses.get(t.name, set()) if not (hooked and m is t.module)}
+            if hooked and not scopes:
+                continue  # used by its own forward (or not on the path): the forward hook covers it
+            if not scopes:
+                if id(t.module) in ran:
+                    raise LayoutError(
+                        f"{t.name} ({type(t.module).__name__}): its forward ran but its weight was not used through "
+                        "F.linear or a matmul, so moe-attrib cannot attribute it. Leave it out with --filter_modules "
+                        "or report the model."
+                    )
+                continue  # never ran: not on the loss path, reported with zeros like any such module
+            if None in scopes or len(scopes) > 1 or (hooked and t.module in uses.get(t.name, set())):
+                where = sorted(type(m).__name__ if m is not None else "<outside any module>" for m in scopes)
+                raise LayoutError(
+                    f"{t.name}: weight used in several places ({where}); moe-attrib attributes a weight used "
+                    "in one module's forward only. Leave it out with --filter_modules."
+                )
+            if hooked:
+                for h in self._target_handles.pop(t.name, []):
+                    h.remove()
+            taps.setdefault(next(iter(scopes)), []).append(t)
+        for scope, targets in taps.items():
+            self._handles.append(scope.register_forward_pre_hook(lambda m, a, ts=targets: self._tap_enter(m, ts)))
+            self._handles.append(
+                scope.register_forward_hook(lambda m, a, out, ts=targets: self._tap_exit(m, ts), always_call=True)
+            )
+
+    def _tap_enter(self, scope: nn.Module, targets: list[Target]) -> None:
+        tap = _LinearTap(targets, self._tapped)
+        tap.__enter__()
+        scope.__dict__.setdefault("_moe_attrib_taps", []).append(tap)
+
+    def _tap_exit(self, scope: nn.Module, targets: list[Target]) -> None:
+        """Leave the tap (also when the forward raised: always_call), then check every weight was seen."""
+        taps = scope.__dict__["_moe_attrib_taps"]
+        tap = taps.pop()
+        if not taps:
+            del scope.__dict__["_moe_attrib_taps"]
+        tap.__exit__(None, None, None)
+        if sys.exc_info()[0] is not None:
+            return
+        missed = [t.name for t in targets if t.name not in tap.hit]
+        if missed:
+            raise LayoutError(
+                f"{missed}: weight not used through F.linear or a matmul during {type(scope).__name__}.forward "
+                "(it was on the first batch), so moe-attrib cannot attribute it. Leave it out with --filter_modules."
+            )
+
+    def overflow(self) -> torch.Tensor | None:
+        """Device scalar > 0 when a routed grid was too short (a token picked one expert twice), else None."""
+        return torch.stack(self._overflow).max() if self._overflow else None
+
+    def reset(self) -> None:
+        self.batch = None
+        self.records, self.counts, self._overflow = [], {}, []
+
+    # -- dense targets -----------------------------------------------------------------------------
+    def _project(self, name: str, side: str, features: int, like: torch.Tensor, batch: int | None = None):
+        return self.projector(name, side, features, like, batch)
+
+    def _per_example(self, rows: torch.Tensor) -> torch.Tensor:
+        n = self.batch.n
+        if rows.shape[0] % n:
+            raise RuntimeError(
+                f"{rows.shape[0]} rows cannot be split into {n} examples; packed or reshaped batches are "
+                "not supported by this target."
+            )
+        return rows.view(n, rows.shape[0] // n, *rows.shape[1:])
+
+    def _tapped(self, target: Target, x: torch.Tensor, y: torch.Tensor, out_transposed: bool) -> None:
+        self._dense(target, x, y, False, out_transposed)
+
+    def _dense(
+        self, target: Target, x: torch.Tensor, y: torch.Tensor, transposed: bool, out_transposed: bool = False
+    ) -> None:
+        if not isinstance(y, torch.Tensor) or not y.requires_grad:
+            return
+        name, project = target.name, self.projector is not None
+        x = self._per_example(x.detach().reshape(-1, x.shape[-1]))
+        x = self.kernels.matmul_fp32(x, self._project(name, "in", x.shape[-1], x)) if project else x.float()
+        record = CaptureRecord(name, x, transposed, target.module._parameters.get("bias") is not None)
+        self.records.append(record)
+
+        def backward(g: torch.Tensor) -> None:
+            if out_transposed:
+                g = g.transpose(-1, -2)
+            g = self._per_example(g.reshape(-1, g.shape[-1]))
+            record.g = self.kernels.matmul_fp32(g, self._project(name, "out", g.shape[-1], g)) if project else g.float()
+
+        y.register_hook(backward)
+
+    def _grouped(self, target: Target, x: torch.Tensor, y: torch.Tensor) -> None:
+        """A grouped linear as a dense capture whose rows are (token, group) pairs.
+
+        Group g's output gradient enters the rows as the full-width vector that is zero outside
+        block g, so `sum_rows g x^T` is the gradient of the `[out, in_per_group]` weight.
+        """
+        if not y.requires_grad:
+            return
+        name, groups = target.name, grouped_linear_groups(target.module)
+        out = target.module.weight.shape[0]
+        x = self._per_example(x.detach().reshape(-1, x.shape[-1]))  # [N, S * G, in]
+        x = (x @ self._project(name, "in", x.shape[-1], x)).float() if self.projector is not None else x.float()
+        record = CaptureRecord(name, x, False, target.module._parameters.get("bias") is not None, groups=groups)
+        self.records.append(record)
+
+        def backward(g: torch.Tensor) -> None:
+            g = g.reshape(-1, groups, g.shape[-1])  # [T, G, out / G]
+            if self.projector is not None:
+                p_out = self._project(name, "out", out, g).view(groups, out // groups, -1)
+                rows = torch.einsum("tgo,gop->tgp", g, p_out)
+            else:
+                rows = torch.einsum("tgo,gh->tgho", g, torch.eye(groups, dtype=g.dtype, device=g.device))
+            record.g = self._per_example(rows.reshape(-1, rows.shape[-1] if self.projector is not None else out))
+            record.g = record.g.float()
+
+        y.register_hook(backward)
+
+    # -- experts -----------------------------------------------------------------------------------
+    def _routing_grid(self, layout: ExpertsLayout, rows: RoutedRows) -> RoutedGrid:
+        """Where each routed row goes in the `[E * N, L, .]` grid (computed once per experts call).
+
+        Rows are sorted expert-major then by token, so the rows of one (expert, example) pair
+        are contiguous; a row's slot is its rank inside that run. `L` is the example length, a
+        bound whenever a token picks an expert at most once, so no device sync is needed; a
+        routing that repeats an expert for one token shows in `overflow()`.
+        """
+        cached = getattr(rows, "_grid", None)
+        if cached is not None:
+            return cached
+        batch = self.batch
+        n, e = batch.n, layout.num_experts
+        if rows.num_tokens % n:
+            raise RuntimeError(f"{layout.name}: {rows.num_tokens} tokens cannot be split into {n} examples.")
+        per_example = rows.num_tokens // n
+        seg = rows.expert * n + rows.token // per_example
+        trash = layout.family == "zero_experts"
+        if trash:
+            valid = rows.expert < e
+            seg = torch.where(valid, seg, e * n)
+        pos = torch.arange(seg.numel(), device=seg.device) - torch.searchsorted(seg, seg)
+        if self.exact_lengths:
+            length = max(int(pos.max()) + 1 if pos.numel() else 1, 1)
+        else:
+            length = per_example
+            self._overflow.append(pos.max() - (length - 1) if pos.numel() else pos.new_zeros(()))
+        flat = seg * length + pos
+        if trash:
+            flat = torch.where(valid, flat, -1)
+        real = batch.mask[rows.token] if batch.mask is not None and rows.num_tokens == batch.mask.numel() else None
+        if real is None:
+            real = torch.ones(seg.shape, device=seg.device)
+        if trash:
+            real = real * valid
+        routed = torch.zeros(e * n + 1, device=seg.device).index_add_(0, seg, real)[:-1]
+        self.counts[layout.name] = routed.view(e, n).t()
+        grid = RoutedGrid(rows, flat, length, e * n, trash)
+        rows._grid = grid
+        return grid
+
+    def _experts_sink(
+        self, layout: ExpertsLayout, proj: str, x: torch.Tensor, y: torch.Tensor, rows: RoutedRows
+    ) -> None:
+        if not y.requires_grad:
+            return
+        grid = self._routing_grid(layout, rows)
+        e = layout.num_experts
+        offsets = rows.offsets[:e]
+        pname = f"{layout.name}.{proj}"
+        in_features, out_features = layout.features(proj)
+        x = x.detach()
+        project = self.projector is not None
+        if project:
+            p_in = self._project(pname, "in", in_features, x, e)
+            x = self.kernels.grouped_matmul(x, p_in, offsets, fp32_out=True)
+        record = CaptureRecord(pname, x.float(), layout.transposed, layout.bias(proj) is not None, grid=grid)
+        record.layout = layout
+        self.records.append(record)
+
+        def backward(g: torch.Tensor) -> None:
+            if project:
+                p_out = self._project(pname, "out", out_features, g, e)
+                g = self.kernels.grouped_matmul(g, p_out, offsets, fp32_out=True)
+            record.g = g.float()
+
+        y.register_hook(backward)

@@ -1,0 +1,141 @@
+"""Families whose experts receive `(hidden, top_k_index, top_k_weights)`: transformers' experts contract
+(decorated modules and undecorated look-alikes) and longcat's zero-compute (identity) experts.
+
+The collection forward sorts tokens by expert once (`route_rows`), runs each projection as one
+grouped matmul, and hands every projection's routed rows to the sink.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from moe_attrib.layouts.base import ExpertsLayout, LayoutFamily, RoutedRows, RowSink, register_layout
+from moe_attrib.layouts.kernels import Kernels
+
+
+def route_rows(top_k_index: torch.Tensor, num_tokens: int, num_experts: int) -> tuple[RoutedRows, torch.Tensor]:
+    """Sort (token, slot) pairs expert-major then token-major; returns rows and the slot permutation."""
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1).long()
+    token = torch.arange(num_tokens * k, device=flat.device) // k
+    key, perm = torch.sort(flat * num_tokens + token)
+    expert = key // num_tokens
+    # searchsorted on the sorted keys, not bincount: bincount's output size needs a device sync
+    bounds = torch.arange(1, num_experts + 1, device=flat.device) * num_tokens
+    offsets = torch.searchsorted(key, bounds, out_int32=True)
+    return RoutedRows(expert, key % num_tokens, offsets, num_tokens, num_experts, perm, k), perm
+
+
+def _linear_rows(
+    kernels: Kernels, layout: ExpertsLayout, proj: str, x: torch.Tensor, rows: RoutedRows, used: int
+) -> torch.Tensor:
+    weight = layout.param(proj)[:used]
+    w = weight if layout.transposed else weight.transpose(-1, -2)
+    out = kernels.grouped_matmul(x, w, rows.offsets[:used])
+    bias = layout.bias(proj)
+    if bias is not None:
+        out = out + bias[rows.expert.clamp(max=used - 1)].to(out.dtype)
+    return out
+
+
+def _apply_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    if hasattr(module, "_apply_gate"):
+        return module._apply_gate(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def grouped_experts_forward(
+    kernels: Kernels,
+    layout: ExpertsLayout,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    sink: RowSink,
+    zero_experts: bool = False,
+) -> torch.Tensor:
+    """The experts contract's forward, one grouped matmul per projection, rows sent to `sink`."""
+    module = layout.module
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    num_tokens, k = x.shape[0], top_k_index.shape[-1]
+    if top_k_weights.numel() != num_tokens * k:
+        raise ValueError(
+            f"{layout.name}: top_k_weights has {tuple(top_k_weights.shape)} entries for top_k_index "
+            f"{tuple(top_k_index.shape)}; expected one weight per (token, slot)."
+        )
+    total = layout.num_experts + (1 if zero_experts else 0)
+    index = top_k_index.reshape(num_tokens, k)
+    if zero_experts:
+        index = index.clamp(max=layout.num_experts)
+    rows, perm = route_rows(index, num_tokens, total)
+    xs = x[rows.token]
+    used = layout.num_experts
+    up_name, down_name = layout.projections
+    identity = (rows.expert >= used).unsqueeze(-1) if zero_experts else None
+    # grouped_mm leaves rows past the last offset unwritten, in the forward and in d_input:
+    # zero-expert rows are masked on the way in (so their input gradient is zero) and out.
+    routed_in = xs if identity is None else xs.masked_fill(identity, 0.0)
+    h = _linear_rows(kernels, layout, up_name, routed_in, rows, used)
+    sink(layout, up_name, routed_in, h, rows)
+    if identity is not None:
+        h = h.masked_fill(identity, 0.0)
+    h = _apply_gate(module, h) if layout.has_gate else module.act_fn(h)
+    out = _linear_rows(kernels, layout, down_name, h, rows, used)
+    sink(layout, down_name, h, out, rows)
+    if getattr(module, "has_post_expert_norm", False):
+        out = module.post_expert_norm(out)
+    if identity is not None:
+        out = torch.where(identity, xs.to(out.dtype), out.masked_fill(identity, 0.0))
+    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    final = out[inverse].view(num_tokens, k, -1).sum(dim=1)
+    return final.to(hidden_states.dtype).reshape(*shape[:-1], final.shape[-1])
+
+
+def _routed_call(layout: ExpertsLayout, kernels: Kernels, sink: RowSink, zero_experts: bool) -> Callable:
+    def forward(hidden_states, *args, **kwargs):
+        index = args[0] if len(args) > 0 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+        weights = args[1] if len(args) > 1 else kwargs.get("top_k_weights", kwargs.get("routing_weights"))
+        if index is None or weights is None:
+            raise TypeError(
+                f"{layout.name}: expected forward(hidden_states, top_k_index, top_k_weights), "
+                f"got {len(args)} positional and keywords {sorted(kwargs)}"
+            )
+        return grouped_experts_forward(kernels, layout, hidden_states, index, weights, sink, zero_experts)
+
+    return forward
+
+
+@register_layout
+class ContractFamily(LayoutFamily):
+    """`forward(hidden, top_k_index, top_k_weights)` with `_apply_gate` or a concatenated `[gate; up]`
+    SwiGLU: every `@use_experts_implementation` module, and undecorated modules of that shape."""
+
+    name = "contract"
+    priority = 0
+
+    def matches(self, module: nn.Module, decorated: bool, forward_arity: int) -> bool:
+        return decorated or (forward_arity == 3 and (hasattr(module, "_apply_gate") or hasattr(module, "act_fn")))
+
+    def collection_forward(self, layout: ExpertsLayout, kernels: Kernels, sink: RowSink) -> Callable:
+        return _routed_call(layout, kernels, sink, zero_experts=False)
+
+
+@register_layout
+class ZeroExpertsFamily(LayoutFamily):
+    """longcat_flash style: ids past the routed experts are identity (zero-compute) experts."""
+
+    name = "zero_experts"
+    priority = 20
+    allows_unused_slots = True
+
+    def matches(self, module: nn.Module, decorated: bool, forward_arity: int) -> bool:
+        return hasattr(module, "zero_expert_num") or hasattr(module, "identity_expert")
+
+    def collection_forward(self, layout: ExpertsLayout, kernels: Kernels, sink: RowSink) -> Callable:
+        return _routed_call(layout, kernels, sink, zero_experts=True)
