@@ -121,6 +121,7 @@ def run_shape(shape: str, args) -> dict:
     report = ma.discover(model, track_moe_experts=True)
     plain_times, collect_times, plain_peak, collect_peak = [], [], 0, 0
     finite = True
+    fallbacks: dict[str, str] = {}
     for _ in range(args.rounds):  # alternate, so drift in clocks or load hits both alike
         _, times, peak = timed(plain_step, args.warmup, args.steps)
         plain_times += times
@@ -134,6 +135,7 @@ def run_shape(shape: str, args) -> dict:
             )
             collect_times += times
             collect_peak = max(collect_peak, peak)
+        fallbacks.update(collector.fallbacks)
     plain, collect = statistics.median(plain_times), statistics.median(collect_times)
     if args.profile:
         with GradientCollector(model, report, projection_dim=args.projection_dim) as collector:
@@ -160,6 +162,7 @@ def run_shape(shape: str, args) -> dict:
         "rounds": args.rounds,
         "plain_times_s": plain_times,
         "collect_times_s": collect_times,
+        "kernel_fallbacks": fallbacks,
     }
     return result
 
@@ -188,9 +191,9 @@ def main() -> None:
         "transformers": __import__("transformers").__version__,
         "python": platform.python_version(),
         "moe_attrib": ma.__version__,
-        "grouped_mm_fallbacks": sorted(map(str, __import__("moe_attrib.experts").experts._GROUPED_MM_BROKEN)),
+        "grouped_mm_fallbacks": sorted({k for r in results for k in r["kernel_fallbacks"] if "out_dtype" not in k}),
         "grouped_mm_fp32_out_unsupported": sorted(
-            map(str, __import__("moe_attrib.experts").experts._GROUPED_MM_FP32_BROKEN)
+            {k for r in results for k in r["kernel_fallbacks"] if "out_dtype" in k}
         ),
     }
     print(env)
