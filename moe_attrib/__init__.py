@@ -6,8 +6,7 @@ from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.ekfac import EKFAC, fit_ekfac, load_ekfac
 from moe_attrib.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
 from moe_attrib.index import Index, IndexFileError, load_index
-
-__version__ = "0.1.0"
+from moe_attrib.version import __version__
 
 __all__ = [
     "CoverageReport",

@@ -57,7 +57,7 @@ def build_index(
     (a torch optimizer state file or HF Trainer checkpoint) normalises gradients by the
     optimizer's second moments (see `moe_attrib.normalizers`).
     """
-    from moe_attrib import __version__
+    from moe_attrib.version import __version__
 
     dist = dist or Dist(0, 1, next(model.parameters()).device)
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)

@@ -469,7 +469,7 @@ class Capture:
         bound whenever a token picks an expert at most once, so no device sync is needed; a
         routing that repeats an expert for one token shows in `overflow()`.
         """
-        cached = getattr(rows, "_grid", None)
+        cached = rows.cache.get("grid")
         if cached is not None:
             return cached
         batch = self.batch
@@ -499,7 +499,7 @@ class Capture:
         routed = torch.zeros(e * n + 1, device=seg.device).index_add_(0, seg, real)[:-1]
         self.counts[layout.name] = routed.view(e, n).t()
         grid = RoutedGrid(rows, flat, length, e * n, trash)
-        rows._grid = grid
+        rows.cache["grid"] = grid
         return grid
 
     def _experts_sink(

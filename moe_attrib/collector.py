@@ -46,10 +46,10 @@ def example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def default_labels(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    labels = input_ids.clone()
-    if attention_mask is not None:
-        labels[attention_mask == 0] = -100
-    return labels
+    """`input_ids` with padding set to -100 (no host sync: no boolean-mask indexing)."""
+    if attention_mask is None:
+        return input_ids.clone()
+    return torch.where(attention_mask == 0, -100, input_ids)
 
 
 def _accumulate(results: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ class RoutedRows:
     `expert[r]`, `token[r]`: expert and flat token of row r; `offsets`: cumulative rows per
     expert (int32, as grouped_mm takes them); `num_tokens`: tokens in the call; `slot[r]`: the
     row's position in the unsorted `[tokens * slots]` order; `slots`: routing slots per token.
+    `cache`: per-call results a sink derives once and reuses for every projection of the call.
     """
 
     expert: torch.Tensor
@@ -37,6 +38,7 @@ class RoutedRows:
     num_experts: int
     slot: torch.Tensor | None = None
     slots: int = 1
+    cache: dict = field(default_factory=dict)
 
 
 @dataclass
