@@ -6,13 +6,11 @@ in when a projector is given, and for fused experts the routed grid that places 
 in the per-(expert, example) `[E * N, L, .]` grid. What is done with the records (per-example or
 per-token gradients, EK-FAC covariances) is the consumer's business.
 
-Dense targets with a plain forward are captured by forward hooks. Weights used elsewhere (routers
-computing logits from a bare parameter, a parent reading a child's `.weight`, through helper
-methods too) are found at run time: the first batch runs under a tap that follows every watched
-weight and notes the module whose forward uses it; later batches tap only those modules. A
-watched weight whose module ran without using it through `F.linear` or a matmul is an error.
-Experts modules run the collection forward of their layout family in place of their innermost
-forward (composing with accelerate's hooks), each checked against its own forward on its first call.
+Dense targets with a plain forward are captured by forward hooks; weights used elsewhere (routers
+computing logits from a bare parameter, a parent reading a child's `.weight`) by the run-time
+taps of `moe_attrib.taps`; grouped linears as dense rows of (token, group) pairs. Experts modules
+run the collection forward of their layout family in place of their innermost forward (composing
+with accelerate's hooks), each checked against its own forward on its first call.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from moe_attrib.discovery import Target, grouped_linear_groups
 from moe_attrib.layouts import (
@@ -35,6 +32,7 @@ from moe_attrib.layouts import (
     is_out_of_memory,
     null_sink,
 )
+from moe_attrib.taps import WeightTaps
 
 Projector = Callable[[str, str, int, torch.Tensor, "int | None"], torch.Tensor]
 
@@ -90,81 +88,6 @@ class CaptureRecord:
         return batch.mask.repeat_interleave(self.groups) if self.groups > 1 else batch.mask
 
 
-class _LinearTap(TorchFunctionMode):
-    """Catches `F.linear` / matmul calls that use a watched weight (also through casts and transposes).
-
-    `on_use(target, x, out, out_transposed)` receives each call's input rows and output. With a
-    module `stack` (first batch), each use is also recorded in `uses` under the module running it.
-    """
-
-    _DERIVE = {
-        torch.Tensor.to,
-        torch.Tensor.type,
-        torch.Tensor.float,
-        torch.Tensor.half,
-        torch.Tensor.bfloat16,
-        torch.Tensor.contiguous,
-    }
-    _FLIP = {torch.Tensor.t, torch.t, torch.Tensor.T.__get__}
-    _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm}
-    _METADATA = {"__get__", "size", "numel", "dim", "stride", "data_ptr", "element_size", "is_contiguous", "__len__",
-                 "__hash__", "__format__", "__repr__", "detach", "storage_offset", "is_floating_point", "nelement",
-                 "ndimension", "untyped_storage", "__reduce_ex__", "__deepcopy__"}  # fmt: skip
-
-    def __init__(self, targets: list[Target], on_use: Callable, stack: list[nn.Module] | None = None):
-        super().__init__()
-        self.tracked: dict[int, tuple[torch.Tensor, Target, bool]] = {
-            id(t.module.weight): (t.module.weight, t, False) for t in targets
-        }
-        self.on_use = on_use
-        self.stack = stack
-        self.hit: set[str] = set()
-        self.uses: dict[str, set[nn.Module]] = {}
-        self.other_uses: dict[str, str] = {}  # first batch: a watched weight passed to another function
-
-    def _use(self, entry, x, out, weight_left: bool = False) -> None:
-        target = entry[1]
-        if self.stack is not None:
-            running = self.stack[-1] if self.stack else None
-            self.uses.setdefault(target.name, set()).add(running)
-            if running is target.module and target.scope is None:
-                return  # a hooked module's own forward: its forward hook captures it
-        self.hit.add(target.name)
-        if weight_left:  # W @ X with X [..., in, S]: rows are the last axis
-            self.on_use(target, x.transpose(-1, -2), out, True)
-        else:
-            self.on_use(target, x, out, False)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is torch.nn.functional.linear:
-            weight = args[1] if len(args) > 1 else kwargs.get("weight")
-            entry = self.tracked.get(id(weight))
-            if entry is not None and not entry[2]:
-                self._use(entry, args[0], out)
-        elif func in self._MATMUL and len(args) == 2:
-            entry = self.tracked.get(id(args[1]))
-            if entry is not None and entry[2]:
-                self._use(entry, args[0], out)
-            entry = self.tracked.get(id(args[0]))
-            if entry is not None and not entry[2]:
-                self._use(entry, args[1], out, weight_left=True)
-        elif func in self._DERIVE or func in self._FLIP:
-            entry = self.tracked.get(id(args[0])) if args else None
-            if entry is not None and isinstance(out, torch.Tensor):
-                self.tracked[id(out)] = (out, entry[1], entry[2] ^ (func in self._FLIP))
-        elif self.stack is not None and getattr(func, "__name__", "") not in self._METADATA:
-            for arg in (*args, *kwargs.values()):
-                for a in arg if isinstance(arg, (list, tuple)) else (arg,):
-                    entry = self.tracked.get(id(a)) if isinstance(a, torch.Tensor) else None
-                    if entry is not None:
-                        running = type(self.stack[-1]).__name__ if self.stack else "the model"
-                        name = getattr(func, "__qualname__", repr(func))
-                        self.other_uses.setdefault(entry[1].name, f"{name} in {running}.forward")
-        return out
-
-
 class Capture:
     """Installs capture on a model's targets; a context manager that removes everything on exit.
 
@@ -196,8 +119,7 @@ class Capture:
         self._restore: list[tuple[nn.Module, str, bool, object]] = []
         self._requires_grad: dict[nn.Parameter, bool] = {}
         self._verified: set[int] = set()
-        self._watched = [t for t in targets if t.kind in ("linear", "router")]
-        self._first_batch = True
+        self.taps = WeightTaps(model, [t for t in targets if t.kind in ("linear", "router")], self._tapped)
 
     # -- installation -------------------------------------------------------------------------
     def __enter__(self) -> Capture:
@@ -224,6 +146,7 @@ class Capture:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.taps.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -305,90 +228,14 @@ class Capture:
         """Wrap the model's forward: records of this batch accumulate in `records` until `reset()`."""
         self.batch = batch
         self.records, self.counts, self._overflow = [], {}, []
-        if not self._first_batch or not self._watched:
+        if not self.taps.pending:
             yield
             return
-        stack: list[nn.Module] = []
-        ran: set[int] = set()
-        hooks = []
-
-        def push(module, args) -> None:
-            stack.append(module)
-            ran.add(id(module))
-
-        def pop(module, args, out) -> None:
-            stack.pop()
-
-        for module in self.model.modules():
-            hooks.append(module.register_forward_pre_hook(push))
-            hooks.append(module.register_forward_hook(pop, always_call=True))
-        tap = _LinearTap(self._watched, self._tapped, stack)
-        try:
-            with tap:
-                yield
-        finally:
-            for h in hooks:
+        with self.taps.first_batch():
+            yield
+        for name in self.taps.moved:  # now tapped in the module whose forward uses the weight
+            for h in self._target_handles.pop(name, []):
                 h.remove()
-        self._install_taps(tap.uses, tap.other_uses, ran)
-        self._first_batch = False
-
-    def _install_taps(self, uses: dict[str, set[nn.Module]], other_uses: dict[str, str], ran: set[int]) -> None:
-        """Tap each watched weight in the forward that used it on the first batch."""
-        taps: dict[nn.Module, list[Target]] = {}
-        for t in self._watched:
-            if t.name in other_uses and t.name not in uses:
-                raise LayoutError(
-                    f"{t.name} ({type(t.module).__name__}): its weight is used through {other_uses[t.name]}, not "
-                    "F.linear or a matmul, so moe-attrib cannot attribute it. Leave it out with --filter_modules."
-                )
-            hooked = t.scope is None
-            scopes = {m for m in uses.get(t.name, set()) if not (hooked and m is t.module)}
-            if hooked and not scopes:
-                continue  # used by its own forward (or not on the path): the forward hook covers it
-            if not scopes:
-                if id(t.module) in ran:
-                    raise LayoutError(
-                        f"{t.name} ({type(t.module).__name__}): its forward ran but its weight was not used through "
-                        "F.linear or a matmul, so moe-attrib cannot attribute it. Leave it out with --filter_modules "
-                        "or report the model."
-                    )
-                continue  # never ran: not on the loss path, reported with zeros like any such module
-            if None in scopes or len(scopes) > 1 or (hooked and t.module in uses.get(t.name, set())):
-                where = sorted(type(m).__name__ if m is not None else "<outside any module>" for m in scopes)
-                raise LayoutError(
-                    f"{t.name}: weight used in several places ({where}); moe-attrib attributes a weight used "
-                    "in one module's forward only. Leave it out with --filter_modules."
-                )
-            if hooked:
-                for h in self._target_handles.pop(t.name, []):
-                    h.remove()
-            taps.setdefault(next(iter(scopes)), []).append(t)
-        for scope, targets in taps.items():
-            self._handles.append(scope.register_forward_pre_hook(lambda m, a, ts=targets: self._tap_enter(m, ts)))
-            self._handles.append(
-                scope.register_forward_hook(lambda m, a, out, ts=targets: self._tap_exit(m, ts), always_call=True)
-            )
-
-    def _tap_enter(self, scope: nn.Module, targets: list[Target]) -> None:
-        tap = _LinearTap(targets, self._tapped)
-        tap.__enter__()
-        scope.__dict__.setdefault("_moe_attrib_taps", []).append(tap)
-
-    def _tap_exit(self, scope: nn.Module, targets: list[Target]) -> None:
-        """Leave the tap (also when the forward raised: always_call), then check every weight was seen."""
-        taps = scope.__dict__["_moe_attrib_taps"]
-        tap = taps.pop()
-        if not taps:
-            del scope.__dict__["_moe_attrib_taps"]
-        tap.__exit__(None, None, None)
-        if sys.exc_info()[0] is not None:
-            return
-        missed = [t.name for t in targets if t.name not in tap.hit]
-        if missed:
-            raise LayoutError(
-                f"{missed}: weight not used through F.linear or a matmul during {type(scope).__name__}.forward "
-                "(it was on the first batch), so moe-attrib cannot attribute it. Leave it out with --filter_modules."
-            )
 
     def overflow(self) -> torch.Tensor | None:
         """Device scalar > 0 when a routed grid was too short (a token picked one expert twice), else None."""
