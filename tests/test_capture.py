@@ -320,3 +320,21 @@ def test_ekfac_covers_grouped_linears_against_brute_force_covariances():
     assert rel_err(f.A, x.T @ x / x.shape[0]) < 1e-5
     assert rel_err(f.G, gy.T @ gy / gy.shape[0]) < 1e-4
     assert torch.isfinite(f.lam).all() and f.lam.sum() > 0
+
+
+@pytest.mark.parametrize("projection_dim", [None, 8], ids=["exact", "projected"])
+def test_grouped_linear_token_rows_sum_to_its_example_gradient(padded_batch, projection_dim):
+    ids, mask = padded_batch
+    model = tiny_model("deepseek_v4")
+    key = "model.layers.0.self_attn.o_a_proj.weight"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # compressor modules off the loss path
+        with ma.GradientCollector(model, projection_dim=projection_dim) as collector:
+            examples = collector.collect(ids, mask, fused_experts=True)
+            tokens = collector.collect(ids, mask, per_token=True)
+        if projection_dim is None:
+            exact = ma.per_example_gradients(model, ids, mask)
+            _assert_matches_reference(exact, model, ids, mask, ma.discover(model), [key])
+    assert tokens[key].shape[:2] == ids.shape
+    assert rel_err(tokens[key].sum(dim=1), examples[key]) < 1e-5
+    assert tokens[key][mask == 0].abs().max() == 0  # padding positions carry nothing
