@@ -39,6 +39,8 @@ import moe_attrib as ma  # noqa: E402
 from moe_attrib.collector import example_losses  # noqa: E402
 from moe_attrib.data import collate, labels_for, load_examples  # noqa: E402
 from moe_attrib.ekfac import DAMPING_SCOPES, DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE  # noqa: E402
+from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
+from moe_attrib.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
 from moe_attrib.synthetic import multi_domain_corpus, texts  # noqa: E402
 from moe_attrib.zoo import tiny_model, train_tokenizer  # noqa: E402
 
@@ -56,15 +58,15 @@ class Config:
     sequences: int = 64
     queries_per_domain: int = 16
     models: int = 128
-    epochs: int = 20
+    epochs: int = 10
     batch: int = 16
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak; linear decay to 0 over the run
     seed: int = 0
 
 
 CONFIGS = {
     "cpu": Config(),
-    "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=6),
+    "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
     "gpu": Config(
         hidden=256,
         layers=4,
@@ -84,7 +86,9 @@ CONFIGS = {
 
 # -- data and training --------------------------------------------------------------------------
 def corpus(cfg: Config, root: Path):
-    train, queries = multi_domain_corpus(cfg.people, cfg.arithmetic, cfg.sequences, cfg.queries_per_domain, cfg.seed)
+    train, queries = multi_domain_corpus(
+        cfg.people, cfg.arithmetic, cfg.sequences, cfg.queries_per_domain, cfg.seed, fact_queries="statement"
+    )
     for name, rows in (("train.jsonl", train), ("queries.jsonl", queries)):
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     tokenizer = train_tokenizer(texts(train + queries))
@@ -108,11 +112,14 @@ def make_model(cfg: Config, vocab: int, device: str):
 
 
 def train(cfg: Config, examples, subset: np.ndarray, order_seed: int, vocab: int, device: str):
-    """A model trained from the shared initial weights on `examples[subset]`: AdamW, `epochs` passes."""
+    """A model trained from the shared initial weights on `examples[subset]`: AdamW, `epochs` passes,
+    learning rate decayed linearly to 0 (so the last batches' order matters little)."""
     model = make_model(cfg, vocab, device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(order_seed)
     rows = [int(i) for i in np.flatnonzero(subset)]
+    steps = cfg.epochs * -(-len(rows) // cfg.batch)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / steps)
     for _ in range(cfg.epochs):
         rng.shuffle(rows)
         for start in range(0, len(rows), cfg.batch):
@@ -124,6 +131,7 @@ def train(cfg: Config, examples, subset: np.ndarray, order_seed: int, vocab: int
             loss = example_losses(logits, labels).sum() / (labels[:, 1:] != -100).sum()
             loss.backward()
             opt.step()
+            sched.step()
             opt.zero_grad(set_to_none=True)
     return model.eval(), opt
 
@@ -194,17 +202,7 @@ def bootstrap(values: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[floa
 
 
 # -- attribution variants -----------------------------------------------------------------------
-GROUPS = {
-    "attention": lambda n: ".self_attn." in n,
-    "experts": lambda n: ".experts." in n,
-    "routers": lambda n: n.endswith(".mlp.gate.weight") or n.endswith(".mlp.gate.bias"),
-    "lm_head": lambda n: n.startswith("lm_head."),
-}
-
-
-def columns(index, keep) -> np.ndarray:
-    cols = [np.arange(b.start, b.stop) for b in index.blocks if keep(b.name)]
-    return np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64)
+GROUPS = {"attention": "*.self_attn.*", "experts": "*.experts.*", "routers": "*.mlp.gate.*", "lm_head": "lm_head.*"}
 
 
 class Attribution:
@@ -226,11 +224,13 @@ class Attribution:
             self.cache[key] = (index, q, np.asarray(index.gradients))
         return self.cache[key]
 
-    def ekfac(self, p: int | None, tracked: bool = True, sampled: bool = False, damping=None, scope=None):
+    def ekfac(self, p: int | None, tracked: bool = True, sampled: bool | None = None, damping=None, scope=None):
+        """Factors fitted with the library's defaults except where given; damping re-applied without refitting."""
         key = ("ekfac", p, tracked, sampled)
         if key not in self.cache:
+            kwargs = {} if sampled is None else {"sampled_labels": sampled}
             self.cache[key] = ma.fit_ekfac(self.model, self.examples, projection_dim=p, track_moe_experts=tracked,
-                                           sampled_labels=sampled, progress=False)  # fmt: skip
+                                           progress=False, **kwargs)  # fmt: skip
         ek = self.cache[key]
         if damping is not None or scope is not None:
             ek = ek.with_damping(DEFAULT_DAMPING if damping is None else damping, scope or DEFAULT_DAMPING_SCOPE)
@@ -238,22 +238,15 @@ class Attribution:
 
     def scores(self, p=None, tracked=True, opt=False, ekfac=None, unit=False, group=None, per_module_unit=False):
         index, q, rows = self.get(p, tracked, opt)
+        modules = GROUPS[group] if group else None
+        if not per_module_unit:
+            return ma.score_matrix(index, q, ekfac=ekfac, unit_normalize=unit, modules=modules, device=self.device)
         pre = ma.prepare_queries(index, q, ekfac=ekfac).double().numpy()
-        rows = rows.astype(np.float64)
-        if group is not None:
-            cols = columns(index, GROUPS[group])
-            pre, rows = pre[:, cols], rows[:, cols]
-        if per_module_unit:  # every module block normalised to unit norm on both sides, then summed
-            total = np.zeros((pre.shape[0], rows.shape[0]))
-            for b in index.blocks:
-                if group is not None and not GROUPS[group](b.name):
-                    continue
-                qa, ra = pre[:, b.start : b.stop], rows[:, b.start : b.stop]
-                total += _unit(qa) @ _unit(ra).T
-            return total
-        if unit:
-            pre, rows = _unit(pre), _unit(rows)
-        return pre @ rows.T
+        total = np.zeros((pre.shape[0], rows.shape[0]))
+        for b in index.blocks:  # every module block normalised to unit norm on both sides, then summed
+            qa, ra = pre[:, b.start : b.stop], rows[:, b.start : b.stop].astype(np.float64)
+            total += _unit(qa) @ _unit(ra).T
+        return total
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -261,37 +254,35 @@ def _unit(x: np.ndarray) -> np.ndarray:
 
 
 def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
-    """Score matrices `[Q, N]` of every variant, by name."""
+    """Score matrices `[Q, N]` of every variant, by name; the first is the documented default pipeline."""
     v: dict[str, np.ndarray] = {}
-    ek_exact = att.ekfac(None)
-    p_default = 32 if 32 in ps else ps[-1]
-    ek_p = att.ekfac(p_default)
-    v[f"default: projected p={p_default}, experts tracked, EK-FAC, unit"] = att.scores(p_default, ekfac=ek_p, unit=True)
-    v[f"projected p={p_default}, experts tracked, EK-FAC"] = att.scores(p_default, ekfac=ek_p)
-    v[f"projected p={p_default}, not tracked, EK-FAC, unit"] = att.scores(
-        p_default, tracked=False, ekfac=att.ekfac(p_default, tracked=False), unit=True
+    p0, unit0 = DEFAULT_PROJECTION_DIM, DEFAULT_UNIT_NORMALIZE
+    ek = att.ekfac(p0)
+    v[f"default pipeline (p={p0}, experts tracked, EK-FAC)"] = att.scores(p0, ekfac=ek, unit=unit0)
+    v[f"default pipeline, not tracked (p={p0})"] = att.scores(
+        p0, tracked=False, ekfac=att.ekfac(p0, tracked=False), unit=unit0
     )
-    v["exact, experts tracked, EK-FAC"] = att.scores(None, ekfac=ek_exact)
-    v["exact, experts tracked, EK-FAC, unit"] = att.scores(None, ekfac=ek_exact, unit=True)
-    v["exact, experts tracked, no preconditioning"] = att.scores(None)
-    v["exact, experts tracked, cosine"] = att.scores(None, unit=True)
-    v["exact, not tracked, EK-FAC"] = att.scores(None, tracked=False, ekfac=att.ekfac(None, tracked=False))
+    ek_exact = att.ekfac(None)
+    v["exact rows, otherwise default"] = att.scores(None, ekfac=ek_exact, unit=unit0)
+    v["exact, not tracked, EK-FAC"] = att.scores(None, tracked=False, ekfac=att.ekfac(None, tracked=False), unit=unit0)
+    v["exact, no preconditioning"] = att.scores(None)
+    v["exact, no preconditioning, cosine"] = att.scores(None, unit=True)
+    v[f"exact, EK-FAC, unit_normalize={not unit0}"] = att.scores(None, ekfac=ek_exact, unit=not unit0)
     for group in GROUPS:
-        v[f"exact, {group} alone, EK-FAC"] = att.scores(None, ekfac=ek_exact, group=group)
-        v[f"exact, {group} alone, no preconditioning"] = att.scores(None, group=group)
+        v[f"exact, {group} alone, EK-FAC"] = att.scores(None, ekfac=ek_exact, group=group, unit=unit0)
+        v[f"exact, {group} alone, no preconditioning"] = att.scores(None, group=group, unit=unit0)
     for p in ps:
-        ek = att.ekfac(p)
-        v[f"projected p={p}, EK-FAC"] = att.scores(p, ekfac=ek)
-        v[f"projected p={p}, EK-FAC, unit"] = att.scores(p, ekfac=ek, unit=True)
-    for scope in DAMPING_SCOPES:
-        for d in (1e-8, 1e-3, 1e-2, 0.1, 1.0):
-            ek = att.ekfac(None, damping=d, scope=scope)
-            v[f"exact, EK-FAC, damping {d:g} x mean over {scope}"] = att.scores(None, ekfac=ek)
-    v["exact, EK-FAC, sampled-label Fisher"] = att.scores(None, ekfac=att.ekfac(None, sampled=True))
+        v[f"projected p={p}, EK-FAC"] = att.scores(p, ekfac=att.ekfac(p), unit=unit0)
+    for sampled in (False, True):
+        fisher = "sampled-label" if sampled else "empirical"
+        for scope in DAMPING_SCOPES:
+            for d in (1e-3, 0.1, 1.0, 10.0):
+                ek = att.ekfac(None, sampled=sampled, damping=d, scope=scope)
+                v[f"exact, {fisher} Fisher, damping {d:g} x mean over {scope}"] = att.scores(None, ekfac=ek, unit=unit0)
     v["exact, EK-FAC, per-module unit norm"] = att.scores(None, ekfac=ek_exact, per_module_unit=True)
     v["exact, no preconditioning, per-module unit norm"] = att.scores(None, per_module_unit=True)
     v["TrackStar: Adam-normalised, unit"] = att.scores(None, opt=True, unit=True)
-    v[f"TrackStar: Adam-normalised p={p_default}, unit"] = att.scores(p_default, opt=True, unit=True)
+    v[f"TrackStar: Adam-normalised p={p0}, unit"] = att.scores(p0, opt=True, unit=True)
     return v
 
 

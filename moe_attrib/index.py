@@ -18,6 +18,7 @@ import numpy as np
 from moe_attrib.discovery import CoverageReport
 
 FORMAT_VERSION = 1
+DEFAULT_PROJECTION_DIM = 32  # per side: a p x p block per weight (docs/quality.md)
 
 
 class IndexFileError(RuntimeError):

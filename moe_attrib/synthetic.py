@@ -39,12 +39,20 @@ def _people(n: int, rng: random.Random) -> list[str]:
 
 
 def multi_domain_corpus(
-    people: int = 40, arithmetic: int = 72, sequences: int = 64, queries_per_domain: int = 16, seed: int = 0
+    people: int = 40,
+    arithmetic: int = 72,
+    sequences: int = 64,
+    queries_per_domain: int = 16,
+    seed: int = 0,
+    fact_queries: str = "question",
+    fact_query_count: int | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Training records and held-out queries over three domains.
 
-    facts: one statement per (person, relation); a query asks the same fact as a question, so its
-    source is one training row, and its answer is shared by about a sixth of the people.
+    facts: one statement per (person, relation); a query asks the same fact, as a question
+    (`fact_queries="question"`, a paraphrase) or as the statement itself (`"statement"`, fact
+    recall), so its source is one training row; its answer is shared by about a sixth of the people.
+    `fact_query_count` (default `queries_per_domain`) sets how many facts are queried.
     arithmetic: `add three and four mod ten :` -> `seven`; queries are unseen pairs.
     sequences: `reverse a c f :` -> `f c a`; queries are unseen sequences.
     """
@@ -55,7 +63,15 @@ def multi_domain_corpus(
         for rel, stmt in STATEMENTS.items():
             value = rng.choice(VALUES[rel])
             facts.append((len(train), name, rel, value))
-            train.append({"prompt": stmt.format(p=name), "completion": f"{value} .", "domain": "facts"})
+            train.append(
+                {
+                    "prompt": stmt.format(p=name),
+                    "completion": f"{value} .",
+                    "domain": "facts",
+                    "person": name,
+                    "relation": rel,
+                }
+            )
     pairs = [(a, b) for a in range(10) for b in range(10)]
     rng.shuffle(pairs)
     for a, b in pairs[:arithmetic]:
@@ -68,8 +84,11 @@ def multi_domain_corpus(
     for s in seqs[:sequences]:
         train.append(_reverse(s))
     queries = []
-    for row, name, rel, value in rng.sample(facts, queries_per_domain):
-        queries.append({"prompt": QUESTIONS[rel].format(p=name), "completion": value, "domain": "facts", "source": row})
+    for row, name, rel, value in rng.sample(facts, fact_query_count or queries_per_domain):
+        prompt = (QUESTIONS if fact_queries == "question" else STATEMENTS)[rel].format(p=name)
+        queries.append(
+            {"prompt": prompt, "completion": value, "domain": "facts", "source": row, "person": name, "relation": rel}
+        )
     for a, b in pairs[arithmetic : arithmetic + queries_per_domain]:
         queries.append(_arith(a, b))
     for s in seqs[sequences : sequences + queries_per_domain]:

@@ -166,3 +166,19 @@ def test_lds_benchmark_smoke(tmp_path):
         assert np.isfinite(r["lds"]) and r["ci95"][0] <= r["lds"] <= r["ci95"][1], name
     retest = rows["test-retest (same subsets, another data order)"]
     assert retest["ci95"][0] > rows["random scores"]["ci95"][1]  # the subset models' losses carry signal
+
+
+@pytest.mark.parametrize("unit", [False, True])
+def test_module_restricted_scores_equal_brute_force_on_those_columns(small_index, unit):
+    root, index, ek, q = small_index
+    cols = np.concatenate([np.arange(b.start, b.stop) for b in index.blocks if ".experts." in b.name])
+    qq = ma.precondition_queries(q, index.blocks, ek, index.manifest["settings"]).double()[:, cols]
+    rows = torch.from_numpy(np.asarray(index.gradients)[:, cols]).double()
+    if unit:
+        qq, rows = qq / qq.norm(dim=1, keepdim=True), rows / rows.norm(dim=1, keepdim=True)
+    got = ma.score_matrix(index, q, ekfac=ek, unit_normalize=unit, modules="*.experts.*", device="cpu")
+    assert np.allclose(got, (qq @ rows.T).numpy(), rtol=1e-4, atol=1e-8)
+    top = ma.score(index, q, ekfac=ek, unit_normalize=unit, modules="*.experts.*", top_k=2, per_module=True)
+    assert np.allclose(top.parts.sum(-1), top.values, rtol=1e-4, atol=1e-8)
+    with pytest.raises(ma.ScoreError, match="matches no block"):
+        ma.score_matrix(index, q, modules="*.nothing.*")
