@@ -140,7 +140,7 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
             seed=args.seed,
             damping=args.damping,
             damping_scope=args.damping_scope,
-            sampled_labels=args.sampled_labels,
+            sampled_labels=not args.empirical_fisher,
             token_batch_size=args.token_batch_size,
             pad_id=pad,
             max_memory_gib=args.max_factor_memory,
@@ -292,7 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     ekfac.add_argument("--out", required=True, help="output directory (safetensors + ekfac.json)")
     add_projection_args(ekfac)
     add_damping_args(ekfac)
-    ekfac.add_argument("--sampled_labels", action="store_true", help="true Fisher: labels drawn from the model")
+    ekfac.add_argument(
+        "--empirical_fisher",
+        action="store_true",
+        help="use the data's labels (empirical Fisher) instead of labels drawn from the model (true Fisher)",
+    )
     ekfac.add_argument("--max_factor_memory", type=float, default=None, help="GiB; refuse to fit above it")
     ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")
     ekfac.set_defaults(func=cmd_ekfac)

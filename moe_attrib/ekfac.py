@@ -28,8 +28,9 @@ from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.distributed import Dist
 from moe_attrib.projection import Projections
 
-DEFAULT_DAMPING = 0.1
-DEFAULT_DAMPING_SCOPE = "module"
+DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md)
+DEFAULT_DAMPING_SCOPE = "model"
+DEFAULT_SAMPLED_LABELS = True  # the true Fisher (labels drawn from the model), not the empirical one
 DAMPING_SCOPES = ("expert", "module", "model")
 
 
@@ -261,8 +262,9 @@ def set_damping(factors: dict[str, Factor], damping: float, scope: str = DEFAULT
         factors[name] = Factor(**{**f.__dict__, "damping": new[name]})
 
 
-def _batches(examples: list[Example], token_batch_size: int, dist: Dist) -> list[list[int]]:
-    return [b for i, b in enumerate(token_batches(examples, token_batch_size)) if i % dist.world == dist.rank]
+def _batches(examples: list[Example], token_batch_size: int, dist: Dist) -> list[tuple[int, list[int]]]:
+    """(global batch number, positions) of this rank's batches."""
+    return [(i, b) for i, b in enumerate(token_batches(examples, token_batch_size)) if i % dist.world == dist.rank]
 
 
 def fit_ekfac(
@@ -275,7 +277,7 @@ def fit_ekfac(
     seed: int = 0,
     damping: float = DEFAULT_DAMPING,
     damping_scope: str = DEFAULT_DAMPING_SCOPE,
-    sampled_labels: bool = False,
+    sampled_labels: bool = DEFAULT_SAMPLED_LABELS,
     token_batch_size: int = 8192,
     pad_id: int = 0,
     max_memory_gib: float | None = None,
@@ -323,7 +325,8 @@ def fit_ekfac(
     mine = _batches(examples, token_batch_size, dist)
 
     def run(collector: GradientCollector, desc: str, each) -> None:
-        for positions in tqdm(mine, desc=f"{desc} rank {dist.rank}", disable=not progress):
+        for number, positions in tqdm(mine, desc=f"{desc} rank {dist.rank}", disable=not progress):
+            torch.manual_seed(seed * 1_000_003 + number)  # sampled labels: the same draws in any world size
             ids, mask = collate(examples, positions, pad_id)
             labels = labels_for(examples, positions, ids, mask)  # the loss of the index and query rows
             batch = collector.collect(
@@ -339,7 +342,6 @@ def fit_ekfac(
     with GradientCollector(model, report, projection_dim=projection_dim, seed=seed, row_sink=sink) as collector:
         collector._exact_lengths = True
         gen_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
         run(collector, "ekfac covariances", lambda out: None)
     for f in factors.values():
         for t in (f.A, f.G, f.tokens):
@@ -378,7 +380,6 @@ def fit_ekfac(
 
     with GradientCollector(model, report, projector=rotator) as collector:
         collector._exact_lengths = True
-        torch.manual_seed(seed)
         run(collector, "ekfac eigenvalue correction", add)
     torch.random.set_rng_state(gen_state)
     dist.all_reduce_(total)
