@@ -168,10 +168,10 @@ def subset_losses(cfg: Config, examples, queries, vocab: int, device: str, worke
         seeds = [10_000 * (order + 1) + m for m in range(cfg.models)]
         chunks = np.array_split(np.arange(cfg.models), max(workers, 1))
         jobs += [(cfg, examples, queries, subsets[c], [seeds[i] for i in c], vocab, device) for c in chunks]
-    if workers > 1 and device == "cpu":
+    if workers > 1:
         import multiprocessing as mp
 
-        with mp.get_context("fork").Pool(workers) as pool:
+        with mp.get_context("fork" if device == "cpu" else "spawn").Pool(workers) as pool:
             parts = pool.map(_train_losses, jobs)
     else:
         parts = [_train_losses(j) for j in jobs]
