@@ -301,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")
     ekfac.set_defaults(func=cmd_ekfac)
 
+    from moe_attrib.score import DEFAULT_UNIT_NORMALIZE
+
     sc = sub.add_parser("score", help="top training examples of an index for each query")
     sc.add_argument("--index", required=True)
     sc.add_argument("model")
@@ -308,7 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument(
         "--ekfac", nargs="+", default=None, help="EK-FAC dir(s) fitted with the index's projection settings"
     )
-    sc.add_argument("--unit_normalize", action="store_true", help="cosine instead of inner product")
+    sc.add_argument(
+        "--unit_normalize",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_UNIT_NORMALIZE,
+        help="cosine after preconditioning (--no-unit_normalize: inner product)",
+    )
     sc.add_argument(
         "--modules", default=None, help="score through the blocks matching this glob only, e.g. '*.experts.*'"
     )

@@ -1,10 +1,10 @@
-"""`moe-attrib demo`: plant facts in a tiny MoE, then find them again from paraphrased questions.
+"""`moe-attrib demo`: plant facts in a tiny MoE, then trace each back to the training row that taught it.
 
 Offline and on CPU: a three-domain corpus (`moe_attrib.synthetic`: facts about made-up people,
 modular arithmetic, sequence reversal; the domains use disjoint words, so the routers send them to
 different experts), a word-level tokenizer trained on it, a tiny Qwen3-MoE trained briefly, an
 index built with every expert tracked, EK-FAC fitted in the projected space, and scores for
-held-out questions about some facts. A query is a hit at k when the fact it asks about is among
+queries that restate some facts. A query is a hit at k when the fact it restates is among
 the top k training examples. Each answer word is shared by about a sixth of the people, so the
 answer alone (what `lm_head`'s gradient mostly encodes) cannot identify the fact: the person's
 name has to be matched inside the model, where attention and the experts carry it.
@@ -31,9 +31,15 @@ MODULE_GROUPS = {
 }
 
 
-def make_corpus(people: int = 40, queries: int = 40, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Training records of three domains and paraphrased fact questions with their `source` row."""
-    train, qs = multi_domain_corpus(people=people, queries_per_domain=0, fact_query_count=queries, seed=seed)
+def make_corpus(
+    people: int = 40, queries: int = 40, seed: int = 0, fact_queries: str = "statement"
+) -> tuple[list[dict], list[dict]]:
+    """Training records of three domains and fact queries with their `source` row: each restates a
+    trained fact (`"statement"`, answer without the final period) or asks it as a question never
+    seen in training (`"question"`, much harder for a model this small)."""
+    train, qs = multi_domain_corpus(
+        people=people, queries_per_domain=0, fact_query_count=queries, seed=seed, fact_queries=fact_queries
+    )
     return train, [q for q in qs if q["domain"] == "facts"]
 
 
@@ -92,7 +98,7 @@ def run_demo(
     tokenizer.save_pretrained(out / "model")
     facts = [r for r in train if r["domain"] == "facts"]
     shared = np.mean([sum(f["completion"] == g["completion"] for f in facts) for g in facts])
-    print(f"demo: {len(examples)} training rows in 3 domains ({len(facts)} facts), {len(qexamples)} fact questions; "
+    print(f"demo: {len(examples)} training rows in 3 domains ({len(facts)} facts), {len(qexamples)} fact queries; "
           f"training loss {losses[0]:.2f} -> {np.mean(losses[-20:]):.2f} per token; "
           f"each answer is shared by {shared:.1f} facts on average")  # fmt: skip
 
@@ -152,7 +158,7 @@ def run_demo(
     for key, value in top:
         print(f"  {key:40s} {value / total:+.1%}")
     results["expert_influence_top"] = {k: v / total for k, v in top}
-    print(f"\nRecall over {len(queries)} fact questions ({len(train)} training rows; chance@1 = {1 / len(train):.1%};"
+    print(f"\nRecall over {len(queries)} fact queries ({len(train)} training rows; chance@1 = {1 / len(train):.1%};"
           f" answer word alone: about 1/{shared:.0f}):")  # fmt: skip
     print(f"  {'variant':58s} {'recall@1':>9s} {'recall@10':>10s}")
     for name, r in results["variants"].items():

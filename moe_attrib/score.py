@@ -22,7 +22,7 @@ from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
 
 DEFAULT_BLOCK_BYTES = 1 << 30  # index bytes read per block
-DEFAULT_UNIT_NORMALIZE = False  # cosine after preconditioning (docs/quality.md)
+DEFAULT_UNIT_NORMALIZE = True  # cosine after preconditioning (docs/quality.md)
 
 _EXPERT = re.compile(r"^(?P<layer>.+)\.expert_(?P<i>\d+)\.(?P<proj>[^.]+)\.(?P<key>weight|bias)$")
 
@@ -156,7 +156,7 @@ def score(
     queries: torch.Tensor | np.ndarray,
     *,
     ekfac: EKFAC | None = None,
-    unit_normalize: bool = False,
+    unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
     top_k: int = 10,
     per_module: bool = False,
     modules: str | None = None,
@@ -205,7 +205,7 @@ def score_matrix(
     queries: torch.Tensor | np.ndarray,
     *,
     ekfac: EKFAC | None = None,
-    unit_normalize: bool = False,
+    unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
     modules: str | None = None,
     out: str | Path | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
