@@ -219,6 +219,7 @@ def result_records(args, model, index, queries, train, tokenizer, q, ekfac, resu
         query_counts=query_expert_counts(model, queries, index, pad_id=pad),
         token_scores=shares,
         tokenizer=tokenizer,
+        query_source=args.queries,
     )
 
 
@@ -231,7 +232,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     except ResultsError as err:
         print(f"moe-attrib show: error: {err}", file=sys.stderr)
         return 2
-    print(show_text(records, top=args.top, experts=args.experts), end="")
+    print(show_text(records, top=args.top, experts=args.experts))
     return 0
 
 
@@ -290,12 +291,28 @@ def add_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`(default: X)` after every option's help, except unset (None) and off (False) defaults."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
-    """Shows defaults in `--help`; subcommand parsers are of the same class."""
+    """Shows defaults in `--help` (also of options without help text); subcommands get the same class."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not action.help and action.option_strings and not unset:
+            action.help = "(default: %(default)s)"
+        return action
 
 
 def build_parser() -> argparse.ArgumentParser:

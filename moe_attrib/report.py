@@ -97,7 +97,7 @@ def _png(fig) -> str:
 
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=72)
     return f'<img alt="figure" src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">'
 
 
@@ -207,13 +207,13 @@ def _routing_section(record: dict, hits: list[dict], index: Index, plots: bool) 
     return note + _png(fig)
 
 
-def _token_spans(hit: dict) -> str:
+def _token_spans(hit: dict, marked: set[int]) -> str:
     scores = np.asarray(hit["token_scores"], dtype=np.float64)
     scale = float(np.abs(scores).max()) or 1.0
     total = float(np.abs(scores).sum()) or 1.0
     spans = []
     for t, (piece, value) in enumerate(zip(hit["tokens"], scores, strict=True)):
-        cls = "tok hit" if t == hit.get("token") else "tok"
+        cls = "tok hit" if t in marked else "tok"
         spans.append(
             f'<span class="{cls}" title="token {t}: {value:+.3e} ({value / total:+.1%})" '
             f'style="background:{_colour(value, scale, True)}">{html.escape(piece)}</span>'
@@ -222,12 +222,19 @@ def _token_spans(hit: dict) -> str:
 
 
 def _tokens_section(hits: list[dict]) -> str:
-    seen, out = set(), []
+    marked: dict[int, set[int]] = {}
+    first: dict[int, dict] = {}
     for hit in hits:
-        if "token_scores" not in hit or hit["example"] in seen:
-            continue
-        seen.add(hit["example"])
-        out.append(f"<p><span class='meta'>example #{hit['example']}</span><br>{_token_spans(hit)}</p>")
+        if "token_scores" in hit:
+            first.setdefault(hit["example"], hit)
+            marked.setdefault(hit["example"], set()).add(hit.get("token"))
+    if not first:
+        return "<p class='note'>These results carry no token scores: score the token index with `moe-attrib score`.</p>"
+    out = [
+        f"<p class='example'><span class='meta'>example #{ex} (hit tokens {sorted(marked[ex] - {None})})</span><br>"
+        f"{_token_spans(hit, marked[ex])}</p>"
+        for ex, hit in first.items()
+    ]
     legend = "<p class='meta'>red: the token's share raises the score, blue: lowers it; outlined: the hit token</p>"
     return legend + "".join(out)
 
@@ -236,7 +243,8 @@ def _hits_table(hits: list[dict]) -> str:
     scale = max((abs(h["score"]) for h in hits), default=0.0) or 1.0
     rows = []
     for hit in hits:
-        ident = hit.get("id", ", ".join(f"{k}={v}" for k, v in (hit.get("fields") or {}).items()))
+        fields = {"id": hit["id"]} if "id" in hit else hit.get("fields") or {}
+        ident = ", ".join(f"{k}={v}" for k, v in fields.items())
         token = f" token {hit['token']}" if "token" in hit else ""
         bar = f'<div class="bar {"pos" if hit["score"] >= 0 else "neg"}" style="width:{abs(hit["score"]) / scale:.1%}">'
         rows.append(

@@ -57,6 +57,7 @@ def score_records(
     query_counts: np.ndarray | None = None,
     token_scores: dict[int, np.ndarray] | None = None,
     tokenizer=None,
+    query_source: str = "queries",
 ) -> list[dict]:
     """One record per query from a `Scores` over `index`, whose training examples are `train`
     (in index order). `query_counts` (`details.query_expert_counts`) and `token_scores`
@@ -69,7 +70,7 @@ def score_records(
     pieces: dict[int, list[str]] = {}
     records = []
     for qi, ex in enumerate(queries):
-        q_carried = _carried(ex, id_field, "queries")
+        q_carried = _carried(ex, id_field, query_source)
         record = {"query": ex.index, "query_text": ex.text}
         record.update({"query_id": q_carried["id"]} if id_field else {"query_fields": q_carried["fields"]})
         if query_counts is not None:
