@@ -16,7 +16,7 @@ from moe_attrib.ekfac import fit_ekfac
 from moe_attrib.index import load_index
 from moe_attrib.results import ResultsError, read_results, score_records, write_results
 from moe_attrib.score import query_gradients, score
-from tests.test_build import CORPUS, ENV, texts
+from tests.test_build import ENV, texts
 from tests.test_build import model_dir as model_dir  # noqa: F401  (fixture)
 
 QUERIES = [
@@ -169,3 +169,22 @@ def test_version_and_defaults_in_help():
 
     assert cli("--version").stdout.strip() == f"moe-attrib {__version__}"
     assert "(default: 10)" in " ".join(cli("score", "--help").stdout.split())
+
+
+def test_cli_score_report_on_a_token_index(tiny, model_dir, tmp_path):  # noqa: F811
+    root, model, tok, train, queries, rows = tiny
+    out, page = tmp_path / "s.jsonl", tmp_path / "r.html"
+    res = cli("score", "--index", root / "tok", model_dir, root / "q.jsonl", "--top_k", 4, "--out", out,
+              "--report", page)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"report written to {page}" in res.stdout
+    text = page.read_text()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for record, chunk in zip(records, text.split("<section class='query'")[1:], strict=True):
+        tokens = chunk.split("class='section tokens'")[1]
+        examples = list(dict.fromkeys(h["example"] for h in record["results"]))
+        assert tokens.count("<p class='example'>") == len(examples)
+        assert tokens.count('<span class="tok') == sum(len(train[e].input_ids) for e in examples)
+        assert tokens.count('<span class="tok hit"') == len(record["results"])  # each hit token outlined once
+        hit = record["results"][0]
+        assert f'title="token {hit["token"]}: {hit["score"]:+.3e}' in tokens
