@@ -151,8 +151,8 @@ def _experts_section(hits: list[dict], layers: list[str], plots: bool) -> str:
         return parts + _table(np.array([[v] for v in totals.values()]), total_labels, ["total"], True)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 0.45 * max(len(names), len(totals) * 0.6, 4) + 1))
-    ax, bx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2], "wspace": 0.5})
+    fig = Figure(figsize=(10, 0.45 * max(len(names), len(totals) * 0.6, 4) + 1), layout="constrained")
+    ax, bx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     if matrix.size:
         lim = float(np.abs(matrix).max()) or 1.0
         im = ax.imshow(matrix, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
@@ -195,7 +195,7 @@ def _routing_section(record: dict, hits: list[dict], index: Index, plots: bool) 
         return note + caption + _table(flat, labels, cols, False)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 0.3 * len(rows) + 1.4))
+    fig = Figure(figsize=(10, 0.3 * len(rows) + 1.4), layout="constrained")
     ax = fig.subplots()
     im = ax.imshow(flat, cmap="Greens", vmin=0, aspect="auto", interpolation="nearest")
     ax.set_yticks(range(len(labels)), labels)
