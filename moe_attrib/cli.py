@@ -98,7 +98,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 args.index,
                 model_name=args.model,
                 track_moe_experts=args.track_moe_experts,
-                projection_dim=args.projection_dim,
+                projection_dim=projection(args),
                 seed=args.seed,
                 expert_blocks=args.expert_blocks,
                 token_batch_size=args.token_batch_size,
@@ -136,10 +136,11 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
             examples,
             track_moe_experts=args.track_moe_experts,
             filter_modules=args.filter_modules,
-            projection_dim=args.projection_dim,
+            projection_dim=projection(args),
             seed=args.seed,
             damping=args.damping,
-            sampled_labels=args.sampled_labels,
+            damping_scope=args.damping_scope,
+            sampled_labels=not args.empirical_fisher,
             token_batch_size=args.token_batch_size,
             pad_id=pad,
             max_memory_gib=args.max_factor_memory,
@@ -161,7 +162,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from moe_attrib.ekfac import load_ekfac
     from moe_attrib.index import IndexFileError, load_index
     from moe_attrib.results import results_format, write_results
-    from moe_attrib.score import ScoreError, query_gradients, score
+    from moe_attrib.score import ScoreError, query_gradients, score, score_matrix
 
     try:
         results_format(args.out)
@@ -174,9 +175,13 @@ def cmd_score(args: argparse.Namespace) -> int:
         model = model.to(device)
         q = query_gradients(model, queries, index, pad_id=getattr(tokenizer, "pad_token_id", None) or 0)
         ekfac = load_ekfac(args.ekfac if len(args.ekfac) > 1 else args.ekfac[0]) if args.ekfac else None
-        result = score(
-            index, q, ekfac=ekfac, unit_normalize=args.unit_normalize, top_k=args.top_k, per_module=args.per_module
-        )
+        if ekfac is not None and (args.damping is not None or args.damping_scope is not None):
+            damping = ekfac.settings.get("damping") if args.damping is None else args.damping
+            ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
+        opts = dict(ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules, device=device)
+        result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
+        if args.all_scores:
+            score_matrix(index, q, out=args.all_scores, **opts)
         train = load_examples(settings["data"], tokenizer, args.text_field, settings.get("max_length"),
                               bool(settings.get("truncate")))  # fmt: skip
     except (DataError, IndexFileError, ScoreError, FileNotFoundError, ValueError) as err:
@@ -209,7 +214,9 @@ def result_records(args, model, index, queries, train, tokenizer, q, ekfac, resu
     shares = None
     if index.token_offsets is not None:
         positions = np.searchsorted(index.token_offsets, result.rows.reshape(-1), side="right") - 1
-        shares = token_scores(index, q, positions.tolist(), ekfac=ekfac, unit_normalize=args.unit_normalize)
+        shares = token_scores(
+            index, q, positions.tolist(), ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules
+        )
     return score_records(
         queries,
         result,
@@ -315,6 +322,38 @@ class _Parser(argparse.ArgumentParser):
         return action
 
 
+def add_projection_args(parser: argparse.ArgumentParser) -> None:
+    """`--projection_dim`/`--no_projection`/`--seed`, shared by `build` and `ekfac` (they must agree)."""
+    from moe_attrib.index import DEFAULT_PROJECTION_DIM
+
+    parser.add_argument(
+        "--projection_dim", type=int, default=DEFAULT_PROJECTION_DIM, help="p: each weight block is p x p"
+    )
+    parser.add_argument("--no_projection", action="store_true", help="exact, unprojected rows (small models)")
+    parser.add_argument("--seed", type=int, default=0, help="projection seed (and EK-FAC label sampling)")
+
+
+def add_damping_args(parser: argparse.ArgumentParser, default: float | None = None) -> None:
+    from moe_attrib.ekfac import DAMPING_SCOPES, DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE
+
+    parser.add_argument(
+        "--damping",
+        type=float,
+        default=DEFAULT_DAMPING if default is None else default,
+        help="relative damping: x mean(corrected eigenvalue) over --damping_scope",
+    )
+    parser.add_argument(
+        "--damping_scope",
+        default=DEFAULT_DAMPING_SCOPE if default is None else None,
+        choices=DAMPING_SCOPES,
+        help="mean over each expert, each module (all its experts) or the whole model",
+    )
+
+
+def projection(args: argparse.Namespace) -> int | None:
+    return None if args.no_projection else args.projection_dim
+
+
 def build_parser() -> argparse.ArgumentParser:
     from moe_attrib import __version__
 
@@ -332,8 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build", help="per-example projected gradients of a dataset, written to an index")
     add_collection_args(build)
     build.add_argument("--index", required=True, help="output directory (written as DIR.part, renamed when done)")
-    build.add_argument("--projection_dim", type=int, default=16)
-    build.add_argument("--seed", type=int, default=0, help="projection seed")
+    add_projection_args(build)
     build.add_argument("--expert_blocks", default="separate", choices=["separate", "sum"])
     build.add_argument("--attribute_tokens", action="store_true", help="one row per token instead of per example")
     build.add_argument(
@@ -347,10 +385,13 @@ def build_parser() -> argparse.ArgumentParser:
     ekfac = sub.add_parser("ekfac", help="fit EK-FAC factors (per expert, routers, dense modules)")
     add_collection_args(ekfac)
     ekfac.add_argument("--out", required=True, help="output directory (safetensors + ekfac.json)")
-    ekfac.add_argument("--projection_dim", type=int, default=None, help="fit factors in the projected space")
-    ekfac.add_argument("--seed", type=int, default=0, help="projection seed (and label sampling)")
-    ekfac.add_argument("--damping", type=float, default=0.1, help="relative damping: x mean(corrected eigenvalue)")
-    ekfac.add_argument("--sampled_labels", action="store_true", help="true Fisher: labels drawn from the model")
+    add_projection_args(ekfac)
+    add_damping_args(ekfac)
+    ekfac.add_argument(
+        "--empirical_fisher",
+        action="store_true",
+        help="use the data's labels (empirical Fisher) instead of labels drawn from the model (true Fisher)",
+    )
     ekfac.add_argument("--max_factor_memory", type=float, default=None, help="GiB; refuse to fit above it")
     ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")
     ekfac.set_defaults(func=cmd_ekfac)
@@ -363,6 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--ekfac", nargs="+", default=None, help="EK-FAC dir(s) fitted with the index's projection settings"
     )
     sc.add_argument("--unit_normalize", action="store_true", help="cosine instead of inner product")
+    sc.add_argument(
+        "--modules", default=None, help="score through the blocks matching this glob only, e.g. '*.experts.*'"
+    )
+    add_damping_args(sc, default=None)
+    sc.add_argument("--all_scores", default=None, help="also write every score, a [queries, rows] .npy matrix")
     sc.add_argument("--top_k", type=int, default=10)
     sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")
     sc.add_argument("--text_field", default="text")

@@ -52,7 +52,7 @@ def token_scores(
     *,
     ekfac: EKFAC | None = None,
     unit_normalize: bool = False,
-    block_rows: int = 65536,
+    modules: str | None = None,
 ) -> dict[int, np.ndarray]:
     """Scores of every query against every token row of the given example positions of a token
     index (`--attribute_tokens`): `{position: [Q, tokens]}`. Computed by `score` itself on a view of
@@ -71,7 +71,7 @@ def token_scores(
         ekfac=ekfac,
         unit_normalize=unit_normalize,
         top_k=len(rows),
-        block_rows=block_rows,
+        modules=modules,
         device="cpu",
     )
     full = np.zeros((queries.shape[0], len(rows)), dtype=np.float64)
