@@ -168,10 +168,10 @@ def subset_losses(cfg: Config, examples, queries, vocab: int, device: str, worke
         seeds = [10_000 * (order + 1) + m for m in range(cfg.models)]
         chunks = np.array_split(np.arange(cfg.models), max(workers, 1))
         jobs += [(cfg, examples, queries, subsets[c], [seeds[i] for i in c], vocab, device) for c in chunks]
-    if workers > 1 and device == "cpu":
+    if workers > 1:
         import multiprocessing as mp
 
-        with mp.get_context("fork").Pool(workers) as pool:
+        with mp.get_context("fork" if device == "cpu" else "spawn").Pool(workers) as pool:
             parts = pool.map(_train_losses, jobs)
     else:
         parts = [_train_losses(j) for j in jobs]
@@ -286,6 +286,21 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
     return v
 
 
+def markdown(result: dict) -> str:
+    """The variants of one result file as a Markdown table (what docs/quality.md shows)."""
+    domains = sorted(next(iter(result["per_domain"].values())))
+    lines = [
+        "| variant | LDS | 95% CI | default - this (95% CI) | " + " | ".join(domains) + " |",
+        "|---|---|---|---|" + "---|" * len(domains),
+    ]
+    for name, r in result["variants"].items():
+        lo, hi = r["ci95"]
+        dlo, dhi = r["default_minus_this_ci95"]
+        per = " | ".join(f"{result['per_domain'][name][d]:.3f}" for d in domains)
+        lines.append(f"| {name} | {r['lds']:.3f} | [{lo:.3f}, {hi:.3f}] | [{dlo:+.3f}, {dhi:+.3f}] | {per} |")
+    return "\n".join(lines)
+
+
 # -- main ---------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -295,7 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", default=str(ROOT / "benchmarks" / ".cache"))
     parser.add_argument("--projections", default="8,16,32,64")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/lds-<config>.json")
+    parser.add_argument("--markdown", default=None, help="print a result file as a Markdown table and exit")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     cfg = CONFIGS[args.config]
     torch.set_num_threads(max(1, args.workers))
     key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
