@@ -163,7 +163,14 @@ def run_demo(
     print(f"  {'variant':58s} {'recall@1':>9s} {'recall@10':>10s}")
     for name, r in results["variants"].items():
         print(f"  {name:58s} {r['recall@1']:9.1%} {r['recall@10']:10.1%}")
+    from moe_attrib.details import query_expert_counts
+    from moe_attrib.report import write_report
+    from moe_attrib.results import score_records, write_results
+
+    records = score_records(qexamples, res, index, examples, query_counts=query_expert_counts(model, qexamples, index))
+    write_results(records, out / "scores.jsonl")
+    print(f"\nreport: {write_report(records, index, out / 'report.html').resolve()} (open it in a browser)")
     results["seconds"] = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    print(f"\ndemo finished in {results['seconds']:.0f} s; files in {out}/ (model, index, results.json)")
+    print(f"demo finished in {results['seconds']:.0f} s; files in {out}/ (model, index, scores.jsonl, report.html)")
     return results
