@@ -2,14 +2,26 @@
 
 from moe_attrib.build import build_index
 from moe_attrib.collector import GradientCollector, PerExampleGradients, per_example_gradients
+from moe_attrib.data import DataError, Example, load_examples
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.ekfac import EKFAC, fit_ekfac, load_ekfac
 from moe_attrib.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
 from moe_attrib.index import Index, IndexFileError, load_index
+from moe_attrib.score import (
+    ScoreError,
+    Scores,
+    precondition_queries,
+    prepare_queries,
+    query_gradients,
+    score,
+    score_matrix,
+)
 from moe_attrib.version import __version__
 
 __all__ = [
     "CoverageReport",
+    "DataError",
+    "Example",
     "EKFAC",
     "ExpertLinear",
     "GradientCollector",
@@ -17,14 +29,22 @@ __all__ = [
     "IndexFileError",
     "LayoutError",
     "PerExampleGradients",
+    "ScoreError",
+    "Scores",
     "__version__",
     "build_index",
     "discover",
     "expand_moe",
     "fit_ekfac",
     "load_ekfac",
+    "load_examples",
     "load_index",
     "per_example_gradients",
+    "precondition_queries",
+    "prepare_queries",
+    "query_gradients",
     "restore_moe",
+    "score",
+    "score_matrix",
     "track_moe_experts",
 ]

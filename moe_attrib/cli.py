@@ -98,7 +98,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 args.index,
                 model_name=args.model,
                 track_moe_experts=args.track_moe_experts,
-                projection_dim=args.projection_dim,
+                projection_dim=projection(args),
                 seed=args.seed,
                 expert_blocks=args.expert_blocks,
                 token_batch_size=args.token_batch_size,
@@ -136,10 +136,11 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
             examples,
             track_moe_experts=args.track_moe_experts,
             filter_modules=args.filter_modules,
-            projection_dim=args.projection_dim,
+            projection_dim=projection(args),
             seed=args.seed,
             damping=args.damping,
-            sampled_labels=args.sampled_labels,
+            damping_scope=args.damping_scope,
+            sampled_labels=not args.empirical_fisher,
             token_batch_size=args.token_batch_size,
             pad_id=pad,
             max_memory_gib=args.max_factor_memory,
@@ -157,16 +158,14 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    import json
-
-    import numpy as np
-
     from moe_attrib.data import DataError, load_examples
     from moe_attrib.ekfac import load_ekfac
     from moe_attrib.index import IndexFileError, load_index
-    from moe_attrib.score import ScoreError, group_parts, query_gradients, score
+    from moe_attrib.results import results_format, write_results
+    from moe_attrib.score import ScoreError, query_gradients, score, score_matrix
 
     try:
+        results_format(args.out)
         index = load_index(args.index)
         settings = index.manifest["settings"]
         tokenizer = load_tokenizer(args.model)
@@ -176,29 +175,103 @@ def cmd_score(args: argparse.Namespace) -> int:
         model = model.to(device)
         q = query_gradients(model, queries, index, pad_id=getattr(tokenizer, "pad_token_id", None) or 0)
         ekfac = load_ekfac(args.ekfac if len(args.ekfac) > 1 else args.ekfac[0]) if args.ekfac else None
-        result = score(
-            index, q, ekfac=ekfac, unit_normalize=args.unit_normalize, top_k=args.top_k, per_module=args.per_module
-        )
+        if ekfac is not None and (args.damping is not None or args.damping_scope is not None):
+            damping = ekfac.settings.get("damping") if args.damping is None else args.damping
+            ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
+        opts = dict(ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules, device=device)
+        result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
+        if args.all_scores:
+            score_matrix(index, q, out=args.all_scores, **opts)
         train = load_examples(settings["data"], tokenizer, args.text_field, settings.get("max_length"),
                               bool(settings.get("truncate")))  # fmt: skip
     except (DataError, IndexFileError, ScoreError, FileNotFoundError, ValueError) as err:
         print(f"moe-attrib score: error: {err}", file=sys.stderr)
         return 2
-    offsets = index.token_offsets
-    with open(args.out, "w") as f:
-        for qi, ex in enumerate(queries):
-            results = []
-            for rank, (value, row) in enumerate(zip(result.values[qi], result.rows[qi], strict=True)):
-                example = int(np.searchsorted(offsets, row, side="right") - 1) if offsets is not None else int(row)
-                hit = {"rank": rank + 1, "row": int(row), "example": int(index.manifest["example_ids"][example]),
-                       "score": float(value), "text": train[example].text}  # fmt: skip
-                if offsets is not None:
-                    hit["token"] = int(row - offsets[example])
-                if result.parts is not None:
-                    hit["per_module"] = group_parts(result.parts[qi, rank], index.blocks)
-                results.append(hit)
-            f.write(json.dumps({"query": ex.index, "query_text": ex.text, "results": results}) + "\n")
+    from moe_attrib.results import ResultsError
+
+    try:
+        records = result_records(args, model, index, queries, train, tokenizer, q, ekfac, result)
+        write_results(records, args.out)
+    except ResultsError as err:
+        print(f"moe-attrib score: error: {err}", file=sys.stderr)
+        return 2
     print(f"scores for {len(queries)} queries written to {args.out}")
+    if args.report:
+        from moe_attrib.report import write_report
+
+        print(f"report written to {write_report(records, index, args.report)}")
+    return 0
+
+
+def result_records(args, model, index, queries, train, tokenizer, q, ekfac, result) -> list[dict]:
+    """Score records with the query's routing and, for a token index, the hit examples' token shares."""
+    import numpy as np
+
+    from moe_attrib.details import query_expert_counts, token_scores
+    from moe_attrib.results import score_records
+
+    pad = getattr(tokenizer, "pad_token_id", None) or 0
+    shares = None
+    if index.token_offsets is not None:
+        positions = np.searchsorted(index.token_offsets, result.rows.reshape(-1), side="right") - 1
+        shares = token_scores(
+            index, q, positions.tolist(), ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules
+        )
+    return score_records(
+        queries,
+        result,
+        index,
+        train,
+        id_field=args.id_field,
+        query_counts=query_expert_counts(model, queries, index, pad_id=pad),
+        token_scores=shares,
+        tokenizer=tokenizer,
+        query_source=args.queries,
+    )
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from moe_attrib.report import show_text
+    from moe_attrib.results import ResultsError, read_results
+
+    try:
+        records = read_results(args.scores)
+    except ResultsError as err:
+        print(f"moe-attrib show: error: {err}", file=sys.stderr)
+        return 2
+    print(show_text(records, top=args.top, experts=args.experts))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from moe_attrib.index import IndexFileError, load_index
+    from moe_attrib.report import write_report
+    from moe_attrib.results import ResultsError, read_results
+
+    try:
+        records = read_results(args.scores)
+        index = load_index(args.index)
+        unknown = sorted({h["example"] for r in records for h in r["results"]} - set(index.manifest["example_ids"]))
+        if unknown:
+            raise ResultsError(
+                f"{args.scores}: examples {unknown[:5]} are not in the index {args.index}; "
+                "give the index these scores were computed against."
+            )
+    except (ResultsError, IndexFileError) as err:
+        print(f"moe-attrib report: error: {err}", file=sys.stderr)
+        return 2
+    print(f"report written to {write_report(records, index, args.out, top=args.top)}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from moe_attrib.info import InfoError, format_summary, summarize
+
+    try:
+        print(format_summary(summarize(args.dir)))
+    except InfoError as err:
+        print(f"moe-attrib info: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -225,10 +298,69 @@ def add_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`(default: X)` after every option's help, except unset (None) and off (False) defaults."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Shows defaults in `--help` (also of options without help text); subcommands get the same class."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not action.help and action.option_strings and not unset:
+            action.help = "(default: %(default)s)"
+        return action
+
+
+def add_projection_args(parser: argparse.ArgumentParser) -> None:
+    """`--projection_dim`/`--no_projection`/`--seed`, shared by `build` and `ekfac` (they must agree)."""
+    from moe_attrib.index import DEFAULT_PROJECTION_DIM
+
+    parser.add_argument(
+        "--projection_dim", type=int, default=DEFAULT_PROJECTION_DIM, help="p: each weight block is p x p"
+    )
+    parser.add_argument("--no_projection", action="store_true", help="exact, unprojected rows (small models)")
+    parser.add_argument("--seed", type=int, default=0, help="projection seed (and EK-FAC label sampling)")
+
+
+def add_damping_args(parser: argparse.ArgumentParser, default: float | None = None) -> None:
+    from moe_attrib.ekfac import DAMPING_SCOPES, DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE
+
+    parser.add_argument(
+        "--damping",
+        type=float,
+        default=DEFAULT_DAMPING if default is None else default,
+        help="relative damping: x mean(corrected eigenvalue) over --damping_scope",
+    )
+    parser.add_argument(
+        "--damping_scope",
+        default=DEFAULT_DAMPING_SCOPE if default is None else None,
+        choices=DAMPING_SCOPES,
+        help="mean over each expert, each module (all its experts) or the whole model",
+    )
+
+
+def projection(args: argparse.Namespace) -> int | None:
+    return None if args.no_projection else args.projection_dim
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from moe_attrib import __version__
+
+    parser = _Parser(
         prog="moe-attrib", description="Per-example gradient attribution for Mixture-of-Experts language models."
     )
+    parser.add_argument("--version", action="version", version=f"moe-attrib {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = sub.add_parser("inspect", help="coverage table: what will be attributed, what not and why")
     inspect.add_argument("model", help="tiny:<family>, a save_pretrained directory, or a hub id")
@@ -239,8 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build", help="per-example projected gradients of a dataset, written to an index")
     add_collection_args(build)
     build.add_argument("--index", required=True, help="output directory (written as DIR.part, renamed when done)")
-    build.add_argument("--projection_dim", type=int, default=16)
-    build.add_argument("--seed", type=int, default=0, help="projection seed")
+    add_projection_args(build)
     build.add_argument("--expert_blocks", default="separate", choices=["separate", "sum"])
     build.add_argument("--attribute_tokens", action="store_true", help="one row per token instead of per example")
     build.add_argument(
@@ -254,13 +385,18 @@ def build_parser() -> argparse.ArgumentParser:
     ekfac = sub.add_parser("ekfac", help="fit EK-FAC factors (per expert, routers, dense modules)")
     add_collection_args(ekfac)
     ekfac.add_argument("--out", required=True, help="output directory (safetensors + ekfac.json)")
-    ekfac.add_argument("--projection_dim", type=int, default=None, help="fit factors in the projected space")
-    ekfac.add_argument("--seed", type=int, default=0, help="projection seed (and label sampling)")
-    ekfac.add_argument("--damping", type=float, default=0.1, help="relative damping: x mean(corrected eigenvalue)")
-    ekfac.add_argument("--sampled_labels", action="store_true", help="true Fisher: labels drawn from the model")
+    add_projection_args(ekfac)
+    add_damping_args(ekfac)
+    ekfac.add_argument(
+        "--empirical_fisher",
+        action="store_true",
+        help="use the data's labels (empirical Fisher) instead of labels drawn from the model (true Fisher)",
+    )
     ekfac.add_argument("--max_factor_memory", type=float, default=None, help="GiB; refuse to fit above it")
     ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")
     ekfac.set_defaults(func=cmd_ekfac)
+
+    from moe_attrib.score import DEFAULT_UNIT_NORMALIZE
 
     sc = sub.add_parser("score", help="top training examples of an index for each query")
     sc.add_argument("--index", required=True)
@@ -269,13 +405,42 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument(
         "--ekfac", nargs="+", default=None, help="EK-FAC dir(s) fitted with the index's projection settings"
     )
-    sc.add_argument("--unit_normalize", action="store_true", help="cosine instead of inner product")
+    sc.add_argument(
+        "--unit_normalize",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_UNIT_NORMALIZE,
+        help="cosine after preconditioning (--no-unit_normalize: inner product)",
+    )
+    sc.add_argument(
+        "--modules", default=None, help="score through the blocks matching this glob only, e.g. '*.experts.*'"
+    )
+    add_damping_args(sc, default=None)
+    sc.add_argument("--all_scores", default=None, help="also write every score, a [queries, rows] .npy matrix")
     sc.add_argument("--top_k", type=int, default=10)
     sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")
     sc.add_argument("--text_field", default="text")
     sc.add_argument("--device", default=None)
-    sc.add_argument("--out", required=True, help="output JSONL")
+    sc.add_argument("--out", required=True, help="results file: .jsonl, .csv or .tsv (by extension)")
+    sc.add_argument("--id_field", default=None, help="carry only this field of the records as `id` (default: all)")
+    sc.add_argument("--report", default=None, metavar="FILE", help="also write the HTML report to FILE")
     sc.set_defaults(func=cmd_score)
+
+    show = sub.add_parser("show", help="terminal view of a results file: each query's top training examples")
+    show.add_argument("scores", help="results of `moe-attrib score` (.jsonl, .csv or .tsv)")
+    show.add_argument("--top", type=int, default=5, help="training examples per query")
+    show.add_argument("--experts", type=int, default=3, help="largest per-expert parts per hit (with --per_module)")
+    show.set_defaults(func=cmd_show)
+
+    rep = sub.add_parser("report", help="self-contained HTML report of a results file")
+    rep.add_argument("--index", required=True, help="the index the scores were computed against")
+    rep.add_argument("scores", help="results of `moe-attrib score` (.jsonl, .csv or .tsv)")
+    rep.add_argument("--out", required=True, help="HTML file to write")
+    rep.add_argument("--top", type=int, default=None, help="training examples per query (default: all in the file)")
+    rep.set_defaults(func=cmd_report)
+
+    info = sub.add_parser("info", help="summary of an index or EK-FAC directory")
+    info.add_argument("dir", help="an index (build --index) or EK-FAC (ekfac --out) directory")
+    info.set_defaults(func=cmd_info)
 
     demo = sub.add_parser("demo", help="offline end-to-end demo on a tiny MoE with planted facts")
     demo.add_argument("--out", default="moe-attrib-demo")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,10 @@ class Example:
     input_ids: list[int]
     text: str | None = None
     loss_start: int = 0  # tokens before this position carry no loss (prompt of a prompt/completion pair)
+    fields: dict = field(default_factory=dict)  # the record's other scalar fields (ids, metadata), for results
+
+
+SCALARS = (str, int, float, bool)
 
 
 def _read_records(source: str, text_field: str) -> list[dict]:
@@ -72,12 +76,14 @@ def load_examples(
     examples = []
     for i, rec in enumerate(records):
         loss_start = 0
+        used = {"input_ids", text_field}
         if "input_ids" in rec:
             ids, text = [int(t) for t in rec["input_ids"]], rec.get(text_field)
         elif "prompt" in rec and "completion" in rec:
             if tokenizer is None:
                 raise DataError(f"{source}: row {i} has text but the model has no tokenizer.")
             text = f"{rec['prompt']} {rec['completion']}"
+            used |= {"prompt", "completion"}
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]
             loss_start = len(tokenizer(str(rec["prompt"]), add_special_tokens=True)["input_ids"])
         elif text_field in rec:
@@ -99,7 +105,8 @@ def load_examples(
                     "raise --max_length or pass --truncate."
                 )
             ids = ids[:max_length]
-        examples.append(Example(i, ids, text, loss_start))
+        fields = {k: v for k, v in rec.items() if k not in used and isinstance(v, SCALARS)}
+        examples.append(Example(i, ids, text, loss_start, fields))
     return examples
 
 

@@ -1,9 +1,13 @@
-"""`moe-attrib demo`: plant facts in a tiny MoE, then find them again from paraphrased queries.
+"""`moe-attrib demo`: plant facts in a tiny MoE, then trace each back to the training row that taught it.
 
-Offline and on CPU: a synthetic corpus of facts about made-up people, a word-level tokenizer
-trained on it, a tiny Qwen3-MoE trained briefly, an index built with every expert tracked,
-EK-FAC fitted in the projected space, and scores for held-out paraphrases of some facts. A query
-is a hit at k when the fact it paraphrases is among the top k training examples.
+Offline and on CPU: a three-domain corpus (`moe_attrib.synthetic`: facts about made-up people,
+modular arithmetic, sequence reversal; the domains use disjoint words, so the routers send them to
+different experts), a word-level tokenizer trained on it, a tiny Qwen3-MoE trained briefly, an
+index built with every expert tracked, EK-FAC fitted in the projected space, and scores for
+queries that restate some facts. A query is a hit at k when the fact it restates is among
+the top k training examples. Each answer word is shared by about a sixth of the people, so the
+answer alone (what `lm_head`'s gradient mostly encodes) cannot identify the fact: the person's
+name has to be matched inside the model, where attention and the experts carry it.
 """
 
 from __future__ import annotations
@@ -17,40 +21,26 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-SYLLABLES = ["ka", "lo", "mi", "ru", "ze", "to", "va", "ne", "shi", "po", "ga", "di", "fu", "xe", "bo", "qui"]
-COLOURS = ["teal", "amber", "crimson", "ivory", "olive", "violet", "indigo", "coral", "saffron", "slate"]
-CITIES = ["Velmora", "Ostrin", "Caldera", "Pyxis", "Marrow", "Tessel", "Quorra", "Lumen", "Ashby", "Dunmere"]
-JOBS = ["baker", "pilot", "weaver", "chemist", "sculptor", "ferryman", "archivist", "glazier", "botanist", "cooper"]
-PETS = ["heron", "ferret", "tortoise", "lynx", "parrot", "gecko", "otter", "raven", "hound", "mare"]
+from moe_attrib.synthetic import multi_domain_corpus
 
-TEMPLATES = {
-    "colour": ("The favourite colour of {p} is {v} .", "Which colour does {p} love most ? {v}"),
-    "city": ("{p} was born in the town of {v} .", "Where is the birthplace of {p} ? {v}"),
-    "job": ("By trade {p} works as a {v} .", "What does {p} do for a living ? {v}"),
-    "pet": ("{p} keeps a pet {v} at home .", "Which animal lives with {p} ? {v}"),
+MODULE_GROUPS = {
+    "lm_head alone": "lm_head.*",
+    "attention alone": "*.self_attn.*",
+    "experts alone": "*.experts.*",
+    "routers alone": "*.mlp.gate.*",
 }
-VALUES = {"colour": COLOURS, "city": CITIES, "job": JOBS, "pet": PETS}
 
 
-def make_corpus(people: int = 40, queries: int = 40, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """Training facts (one per person and relation) and paraphrased queries with their source fact."""
-    rng = random.Random(seed)
-    names: set[str] = set()
-    while len(names) < people:
-        names.add("".join(rng.choice(SYLLABLES) for _ in range(3)).capitalize())
-    train, facts = [], []
-    for name in sorted(names):
-        for rel, (stmt, _) in TEMPLATES.items():
-            value = rng.choice(VALUES[rel])
-            facts.append((len(train), name, rel, value))
-            prompt, _, rest = stmt.format(p=name, v="\0").partition("\0")
-            train.append({"prompt": prompt.strip(), "completion": value + rest, "person": name, "relation": rel})
-    chosen = rng.sample(facts, queries)
-    qs = []
-    for row, name, rel, value in chosen:
-        prompt = TEMPLATES[rel][1].format(p=name, v="").strip()
-        qs.append({"prompt": prompt, "completion": value, "source": row})
-    return train, qs
+def make_corpus(
+    people: int = 40, queries: int = 40, seed: int = 0, fact_queries: str = "statement"
+) -> tuple[list[dict], list[dict]]:
+    """Training records of three domains and fact queries with their `source` row: each restates a
+    trained fact (`"statement"`, answer without the final period) or asks it as a question never
+    seen in training (`"question"`, much harder for a model this small)."""
+    train, qs = multi_domain_corpus(
+        people=people, queries_per_domain=0, fact_query_count=queries, seed=seed, fact_queries=fact_queries
+    )
+    return train, [q for q in qs if q["domain"] == "facts"]
 
 
 def train_model(model, examples, steps: int, lr: float, seed: int, progress: bool) -> list[float]:
@@ -81,18 +71,19 @@ def run_demo(
     out: str | Path = "moe-attrib-demo",
     steps: int = 300,
     seed: int = 0,
-    projection_dim: int = 32,
+    projection_dim: int | None = None,
     progress: bool = True,
 ) -> dict:
-    """Run the whole demo; returns (and writes to `out/results.json`) the recall table."""
+    """Run the whole demo with the default pipeline; returns (and writes to `out/results.json`) the recall table."""
     from moe_attrib.build import build_index
     from moe_attrib.data import load_examples
     from moe_attrib.ekfac import fit_ekfac
-    from moe_attrib.index import load_index, remove_index
-    from moe_attrib.score import group_parts, query_gradients, score
+    from moe_attrib.index import DEFAULT_PROJECTION_DIM, load_index, remove_index
+    from moe_attrib.score import DEFAULT_UNIT_NORMALIZE, group_parts, query_gradients, score
     from moe_attrib.zoo import tiny_model, train_tokenizer
 
     start = time.perf_counter()
+    p = projection_dim or DEFAULT_PROJECTION_DIM
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     train, queries = make_corpus(seed=seed)
@@ -105,12 +96,22 @@ def run_demo(
     losses = train_model(model, examples, steps, 3e-3, seed, progress)
     model.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
-    print(f"demo: {len(examples)} training facts, {len(qexamples)} paraphrased queries; "
-          f"training loss {losses[0]:.2f} -> {np.mean(losses[-20:]):.2f} per token")  # fmt: skip
+    facts = [r for r in train if r["domain"] == "facts"]
+    shared = np.mean([sum(f["completion"] == g["completion"] for f in facts) for g in facts])
+    print(f"demo: {len(examples)} training rows in 3 domains ({len(facts)} facts), {len(qexamples)} fact queries; "
+          f"training loss {losses[0]:.2f} -> {np.mean(losses[-20:]):.2f} per token; "
+          f"each answer is shared by {shared:.1f} facts on average")  # fmt: skip
 
-    p = projection_dim
     sources = np.array([q["source"] for q in queries])
-    results: dict = {"queries": len(queries), "train": len(train), "chance_at_1": 1 / len(train), "variants": {}}
+    unit = DEFAULT_UNIT_NORMALIZE
+    results: dict = {"queries": len(queries), "train": len(train), "chance_at_1": 1 / len(train),
+                     "answer_shared_by": float(shared), "projection_dim": p, "variants": {}}  # fmt: skip
+
+    def recall(name: str, res, coverage: float) -> None:
+        hit1 = float(np.mean(res.rows[:, 0] == sources))
+        hit10 = float(np.mean((res.rows == sources[:, None]).any(1)))
+        results["variants"][name] = {"recall@1": hit1, "recall@10": hit10, "coverage": coverage}
+
     indexes = {}
     for tracked in (True, False):
         path = out / ("index" if tracked else "index-no-experts")
@@ -123,18 +124,22 @@ def run_demo(
                        token_batch_size=1024, progress=progress)  # fmt: skip
         q = query_gradients(model, qexamples, index)
         indexes[tracked] = (index, q, ek)
-        for use_ekfac in (True, False):
-            res = score(index, q, ekfac=ek if use_ekfac else None, unit_normalize=True, top_k=10, device="cpu")
-            hit1 = float(np.mean(res.rows[:, 0] == sources))
-            hit10 = float(np.mean((res.rows == sources[:, None]).any(1)))
-            name = f"{'experts tracked' if tracked else 'attention only (no --track_moe_experts)'}, " + (
-                "EK-FAC" if use_ekfac else "no preconditioning"
+        cov = index.manifest["coverage"]
+        if tracked:
+            recall(
+                "default: experts tracked, EK-FAC", score(index, q, ekfac=ek, unit_normalize=unit, device="cpu"), cov
             )
-            results["variants"][name] = {"recall@1": hit1, "recall@10": hit10, "coverage": index.manifest["coverage"]}
+            recall("experts tracked, no preconditioning", score(index, q, unit_normalize=unit, device="cpu"), cov)
+            for name, glob in MODULE_GROUPS.items():
+                res = score(index, q, ekfac=ek, unit_normalize=unit, modules=glob, device="cpu")
+                recall(f"{name}, EK-FAC", res, cov)
+        else:
+            recall("attention + lm_head (no --track_moe_experts), EK-FAC",
+                   score(index, q, ekfac=ek, unit_normalize=unit, device="cpu"), cov)  # fmt: skip
 
     index, q, ek = indexes[True]
-    res = score(index, q, unit_normalize=True, top_k=3, per_module=True, device="cpu")
-    print("\nTop training examples for the first queries (experts tracked, cosine):")
+    res = score(index, q, ekfac=ek, unit_normalize=unit, top_k=3, per_module=True, device="cpu")
+    print("\nTop training examples for the first queries (default pipeline):")
     for qi in range(5):
         mark = "HIT " if res.rows[qi, 0] == sources[qi] else "miss"
         query = f"{queries[qi]['prompt']} -> {queries[qi]['completion']}"
@@ -153,11 +158,19 @@ def run_demo(
     for key, value in top:
         print(f"  {key:40s} {value / total:+.1%}")
     results["expert_influence_top"] = {k: v / total for k, v in top}
-    print(f"\nRecall over {len(queries)} queries ({len(train)} training facts; chance@1 = {1 / len(train):.1%}):")
-    print(f"  {'variant':62s} {'recall@1':>9s} {'recall@10':>10s}")
+    print(f"\nRecall over {len(queries)} fact queries ({len(train)} training rows; chance@1 = {1 / len(train):.1%};"
+          f" answer word alone: about 1/{shared:.0f}):")  # fmt: skip
+    print(f"  {'variant':58s} {'recall@1':>9s} {'recall@10':>10s}")
     for name, r in results["variants"].items():
-        print(f"  {name:62s} {r['recall@1']:9.1%} {r['recall@10']:10.1%}")
+        print(f"  {name:58s} {r['recall@1']:9.1%} {r['recall@10']:10.1%}")
+    from moe_attrib.details import query_expert_counts
+    from moe_attrib.report import write_report
+    from moe_attrib.results import score_records, write_results
+
+    records = score_records(qexamples, res, index, examples, query_counts=query_expert_counts(model, qexamples, index))
+    write_results(records, out / "scores.jsonl")
+    print(f"\nreport: {write_report(records, index, out / 'report.html').resolve()} (open it in a browser)")
     results["seconds"] = time.perf_counter() - start
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    print(f"\ndemo finished in {results['seconds']:.0f} s; files in {out}/ (model, index, results.json)")
+    print(f"demo finished in {results['seconds']:.0f} s; files in {out}/ (model, index, scores.jsonl, report.html)")
     return results

@@ -24,12 +24,15 @@ from tqdm.auto import tqdm
 
 from moe_attrib.capture import BatchInfo, CaptureRecord
 from moe_attrib.collector import GradientCollector
-from moe_attrib.data import Example, collate, token_batches
+from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.distributed import Dist
 from moe_attrib.projection import Projections
 
-DEFAULT_DAMPING = 0.1
+DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md)
+DEFAULT_DAMPING_SCOPE = "model"
+DEFAULT_SAMPLED_LABELS = True  # the true Fisher (labels drawn from the model), not the empirical one
+DAMPING_SCOPES = ("expert", "module", "model")
 
 
 class FactorMemoryError(MemoryError):
@@ -86,6 +89,19 @@ class EKFAC:
 
     def precondition(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         return self.factors[name].precondition(grad)
+
+    def with_damping(self, damping: float, scope: str = DEFAULT_DAMPING_SCOPE) -> EKFAC:
+        """A copy sharing the factors, damped with `damping x mean(Lambda)` over `scope`.
+
+        `scope="expert"`: each expert (and each dense module) by its own mean; `"module"`: every
+        expert of a fused projection by the projection's mean over all experts (an expert that
+        saw few tokens is not amplified by its own tiny eigenvalues); `"model"`: one damping for
+        every factor, the mean over all of them (the damped Fisher `F + lambda I` of the whole model).
+        """
+        out = EKFAC(dict(self.factors), self.projection_dim, self.seed, {**self.settings})
+        set_damping(out.factors, damping, scope)
+        out.settings.update(damping=damping, damping_scope=scope)
+        return out
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
@@ -216,8 +232,38 @@ class _Accumulator:
             f.tokens += counts.index_add_(0, rows.expert.clamp(max=e), real)[:e].to(f.tokens.device)
 
 
-def _batches(examples: list[Example], token_batch_size: int, dist: Dist) -> list[list[int]]:
-    return [b for i, b in enumerate(token_batches(examples, token_batch_size)) if i % dist.world == dist.rank]
+def set_damping(factors: dict[str, Factor], damping: float, scope: str = DEFAULT_DAMPING_SCOPE) -> None:
+    """Set every factor's damping to `damping x mean(Lambda)` over `scope` (see `EKFAC.with_damping`).
+
+    A scope whose eigenvalues are all zero (a module that never received a gradient) falls back
+    to the model-wide mean, so no damping is ever zero and no score becomes 0/0.
+    """
+    if scope not in DAMPING_SCOPES:
+        raise ValueError(f"damping scope must be one of {DAMPING_SCOPES}, not {scope!r}")
+    if damping < 0:
+        raise ValueError(f"damping must be >= 0, not {damping}")
+    sums = [f.lam.sum() for f in factors.values()]
+    sizes = [f.lam.numel() for f in factors.values()]
+    model_mean = float(sum(sums) / max(sum(sizes), 1)) if sums else 0.0
+    floor = damping * model_mean if model_mean > 0 else 1.0
+    floor = max(floor, torch.finfo(torch.float64).tiny)
+    new = {}
+    for name, f in factors.items():
+        lead = f.lam.shape[:-2]
+        if scope == "model":
+            value = torch.full(lead, damping * model_mean, dtype=f.lam.dtype, device=f.lam.device)
+        elif scope == "module":
+            value = torch.full(lead, damping * float(f.lam.mean()), dtype=f.lam.dtype, device=f.lam.device)
+        else:
+            value = damping * f.lam.mean(dim=(-1, -2))
+        new[name] = torch.where(value > 0, value, torch.full_like(value, floor))
+    for name, f in factors.items():
+        factors[name] = Factor(**{**f.__dict__, "damping": new[name]})
+
+
+def _batches(examples: list[Example], token_batch_size: int, dist: Dist) -> list[tuple[int, list[int]]]:
+    """(global batch number, positions) of this rank's batches."""
+    return [(i, b) for i, b in enumerate(token_batches(examples, token_batch_size)) if i % dist.world == dist.rank]
 
 
 def fit_ekfac(
@@ -229,7 +275,8 @@ def fit_ekfac(
     projection_dim: int | None = None,
     seed: int = 0,
     damping: float = DEFAULT_DAMPING,
-    sampled_labels: bool = False,
+    damping_scope: str = DEFAULT_DAMPING_SCOPE,
+    sampled_labels: bool = DEFAULT_SAMPLED_LABELS,
     token_batch_size: int = 8192,
     pad_id: int = 0,
     max_memory_gib: float | None = None,
@@ -240,10 +287,15 @@ def fit_ekfac(
 ) -> EKFAC:
     """Fit EK-FAC factors on `examples`: covariances, float64 eigendecompositions, corrected eigenvalues.
 
-    `damping` is relative: each factor's damping is `damping * mean(Lambda)` (per expert for
-    experts). Refuses with `FactorMemoryError` when the factors exceed `max_memory_gib`.
+    `damping` is relative: `damping x mean(Lambda)` over `damping_scope` (see `EKFAC.with_damping`,
+    which also re-damps fitted factors without refitting). Refuses with `FactorMemoryError` when the
+    factors exceed `max_memory_gib`.
     Under torchrun the sums are all-reduced, so every rank ends with the same factors.
     """
+    if damping_scope not in DAMPING_SCOPES or damping < 0:
+        raise ValueError(
+            f"damping must be >= 0 and damping_scope one of {DAMPING_SCOPES} (got {damping}, {damping_scope!r})"
+        )
     device = next(model.parameters()).device
     dist = dist or Dist(0, 1, device)
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
@@ -271,10 +323,16 @@ def fit_ekfac(
     mine = _batches(examples, token_batch_size, dist)
 
     def run(collector: GradientCollector, desc: str, each) -> None:
-        for positions in tqdm(mine, desc=f"{desc} rank {dist.rank}", disable=not progress):
+        for number, positions in tqdm(mine, desc=f"{desc} rank {dist.rank}", disable=not progress):
+            torch.manual_seed(seed * 1_000_003 + number)  # sampled labels: the same draws in any world size
             ids, mask = collate(examples, positions, pad_id)
+            labels = labels_for(examples, positions, ids, mask)  # the loss of the index and query rows
             batch = collector.collect(
-                ids.to(dist.device), mask.to(dist.device), fused_experts=True, sample_labels=sampled_labels
+                ids.to(dist.device),
+                mask.to(dist.device),
+                labels.to(dist.device),
+                fused_experts=True,
+                sample_labels=sampled_labels,
             )
             each(batch)
 
@@ -283,7 +341,6 @@ def fit_ekfac(
         model, report, projection_dim=projection_dim, seed=seed, row_sink=sink, exact_lengths=True
     ) as collector:
         gen_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
         run(collector, "ekfac covariances", lambda out: None)
     for f in factors.values():
         for t in (f.A, f.G, f.tokens):
@@ -321,7 +378,6 @@ def fit_ekfac(
             f.lam += (rotated**2).sum(dim=0)
 
     with GradientCollector(model, report, projector=rotator, exact_lengths=True) as collector:
-        torch.manual_seed(seed)
         run(collector, "ekfac eigenvalue correction", add)
     torch.random.set_rng_state(gen_state)
     dist.all_reduce_(total)
@@ -329,13 +385,12 @@ def fit_ekfac(
         dist.all_reduce_(f.lam)
         f.examples = int(total)
         f.lam /= max(float(total), 1.0)
-        mean = f.lam.mean(dim=(-1, -2))
-        f.damping = damping * mean
+    set_damping(factors, damping, damping_scope)
     result = EKFAC(
         factors,
         projection_dim,
         seed,
-        {"damping": damping, "sampled_labels": sampled_labels, "examples": int(total),
+        {"damping": damping, "damping_scope": damping_scope, "sampled_labels": sampled_labels, "examples": int(total),
          "track_moe_experts": track_moe_experts, "filter_modules": filter_modules},
     )  # fmt: skip
     if out is not None and dist.is_main:

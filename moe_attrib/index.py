@@ -18,6 +18,7 @@ import numpy as np
 from moe_attrib.discovery import CoverageReport, iter_entries
 
 FORMAT_VERSION = 1
+DEFAULT_PROJECTION_DIM = 32  # per side: a p x p block per weight (docs/quality.md)
 
 
 class IndexFileError(RuntimeError):
@@ -35,13 +36,16 @@ class Block:
 
 
 def _entries(report: CoverageReport):
-    """(key in a fused `collect` result, experts layout or None, projection, weight|bias), in plan order."""
+    """(key in a fused `collect` result, experts layout or None, projection, weight|bias, one slice's shape),
+    in plan order."""
     for e in iter_entries(report.targets):
-        yield e.key, e.layout, e.proj, e.kind
+        shape = e.param.shape[1:] if e.layout is not None else e.param.shape
+        yield e.key, e.layout, e.proj, e.kind, tuple(shape)
 
 
-def column_plan(report: CoverageReport, projection_dim: int, expert_blocks: str) -> list[Block]:
-    """Column blocks in target order: each weight is p*p columns, each bias p.
+def column_plan(report: CoverageReport, projection_dim: int | None, expert_blocks: str) -> list[Block]:
+    """Column blocks in target order: each weight is p*p columns, each bias p; with
+    `projection_dim=None` (exact rows) each block has its parameter's (one expert's) shape.
 
     `expert_blocks="separate"` gives every expert its own blocks
     (`<experts>.expert_<i>.<proj>.weight`); `"sum"` sums a layer's independently projected
@@ -59,8 +63,8 @@ def column_plan(report: CoverageReport, projection_dim: int, expert_blocks: str)
         blocks.append(Block(name, col, col + size, shape))
         col += size
 
-    for grads_key, lay, proj, key in _entries(report):
-        shape = (p, p) if key == "weight" else (p,)
+    for grads_key, lay, proj, key, exact in _entries(report):
+        shape = exact if p is None else (p, p) if key == "weight" else (p,)
         if lay is not None and expert_blocks == "separate":
             for i in range(lay.num_experts):
                 add(f"{lay.expert_name(i, proj)}.{key}", shape)
@@ -78,7 +82,7 @@ def flatten_batch(
 
     lead = 2 if per_token else 1
     parts = []
-    for grads_key, lay, _proj, _key in _entries(report):
+    for grads_key, lay, _proj, _key, _shape in _entries(report):
         value = grads[grads_key]  # experts: [N, (S,) E, ...]
         if lay is not None and expert_blocks == "sum" and not per_token:
             value = value.sum(dim=1)

@@ -7,16 +7,22 @@ normalisation (cosine). The index is read in row blocks, so it never has to fit 
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
+
+DEFAULT_BLOCK_BYTES = 1 << 30  # index bytes read per block
+DEFAULT_UNIT_NORMALIZE = True  # cosine after preconditioning (docs/quality.md)
 
 _EXPERT = re.compile(r"^(?P<layer>.+)\.expert_(?P<i>\d+)\.(?P<proj>[^.]+)\.(?P<key>weight|bias)$")
 
@@ -42,7 +48,8 @@ def precondition_queries(
     Weight blocks are preconditioned with their module's factors (an expert block with its
     expert's slice); bias blocks are left as they are.
     """
-    if ekfac.projection_dim != index_settings["projection_dim"] or ekfac.seed != index_settings["seed"]:
+    projected = index_settings["projection_dim"] is not None
+    if ekfac.projection_dim != index_settings["projection_dim"] or (projected and ekfac.seed != index_settings["seed"]):
         raise ScoreError(
             f"EK-FAC factors were fitted with projection_dim={ekfac.projection_dim}, seed={ekfac.seed} but the index "
             f"uses projection_dim={index_settings['projection_dim']}, seed={index_settings['seed']}; refit with "
@@ -74,49 +81,154 @@ def precondition_queries(
     return out.float()
 
 
-def score(
+def module_columns(blocks: list[Block], modules: str | None) -> torch.Tensor | None:
+    """Boolean column mask of the blocks whose name matches the glob `modules` (None: every column).
+
+    Block names are parameter names (`model.layers.0.mlp.experts.expert_3.down_proj.weight`), so
+    `*.experts.*` selects every expert, `lm_head.*` the output layer, `*.self_attn.*` attention.
+    """
+    if modules is None:
+        return None
+    mask = torch.zeros(blocks[-1].stop, dtype=torch.bool)
+    for b in blocks:
+        if fnmatch.fnmatchcase(b.name, modules):
+            mask[b.start : b.stop] = True
+    if not mask.any():
+        raise ScoreError(f"--modules {modules!r} matches no block of the index (e.g. {blocks[0].name}).")
+    return mask
+
+
+def prepare_queries(
     index: Index,
     queries: torch.Tensor | np.ndarray,
     *,
     ekfac: EKFAC | None = None,
     unit_normalize: bool = False,
-    top_k: int = 10,
-    per_module: bool = False,
-    block_rows: int = 65536,
-    device: str | torch.device | None = None,
-) -> Scores:
-    """Top-k training rows for each query row (`[Q, dim]`, in the index's column layout)."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    modules: str | None = None,
+) -> torch.Tensor:
+    """Query rows as they are multiplied with the index: EK-FAC preconditioned, restricted to the
+    blocks matching `modules` (other columns zero), and/or unit-normalised."""
     q = torch.as_tensor(np.asarray(queries), dtype=torch.float32)
     if q.ndim != 2 or q.shape[1] != index.gradients.shape[1]:
         raise ScoreError(f"queries have shape {tuple(q.shape)}, the index has {index.gradients.shape[1]} columns.")
-    blocks = index.blocks
+    mask = module_columns(index.blocks, modules)
     if ekfac is not None:
-        q = precondition_queries(q, blocks, ekfac, index.manifest["settings"])
+        q = precondition_queries(q, index.blocks, ekfac, index.manifest["settings"])
+    if mask is not None:
+        q = q * mask
     if unit_normalize:
         q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    q = q.to(device)
+    return q
+
+
+def row_blocks(
+    index: Index,
+    device: torch.device,
+    block_bytes: int,
+    unit_normalize: bool,
+    progress: bool = False,
+    modules: str | None = None,
+):
+    """`(start, rows)` over the index in blocks of at most `block_bytes` bytes, rows on `device`
+    (restricted to the `modules` blocks and unit-normalised over them when asked)."""
+    total, dim = index.gradients.shape
+    mask = module_columns(index.blocks, modules)
+    mask = None if mask is None else mask.to(device)
+    step = max(1, block_bytes // max(1, 4 * dim))
+    bar = tqdm(total=total, unit="row", unit_scale=True, desc="score", disable=not progress)
+    for start in range(0, total, step):
+        rows = torch.from_numpy(np.array(index.gradients[start : start + step])).to(device)
+        if mask is not None:
+            rows = rows * mask
+        if unit_normalize:
+            rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        yield start, rows
+        bar.update(rows.shape[0])
+    bar.close()
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def score(
+    index: Index,
+    queries: torch.Tensor | np.ndarray,
+    *,
+    ekfac: EKFAC | None = None,
+    unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
+    top_k: int = 10,
+    per_module: bool = False,
+    modules: str | None = None,
+    block_rows: int | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    device: str | torch.device | None = None,
+    progress: bool = False,
+) -> Scores:
+    """Top-k training rows for each query row (`[Q, dim]`, in the index's column layout).
+
+    The index is streamed in blocks of `block_bytes` (or `block_rows` rows) with a running top-k,
+    so memory stays bounded whatever the index size. `modules` (a glob over block names) scores
+    through those blocks only.
+    """
+    device = _device(device)
+    q = prepare_queries(index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules).to(device)
+    blocks = index.blocks
+    if block_rows is not None:
+        block_bytes = block_rows * 4 * index.gradients.shape[1]
     k = min(top_k, index.gradients.shape[0])
     best_v = torch.full((q.shape[0], k), -torch.inf, device=device)
     best_i = torch.zeros((q.shape[0], k), dtype=torch.long, device=device)
-    for start in range(0, index.gradients.shape[0], block_rows):
-        rows = torch.from_numpy(np.array(index.gradients[start : start + block_rows])).to(device)
-        if unit_normalize:
-            rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30)
-        s = q @ rows.T
+    for start, rows in row_blocks(index, device, block_bytes, unit_normalize, progress, modules):
+        s = torch.nan_to_num(q @ rows.T, nan=-torch.inf)
         v, i = torch.cat([best_v, s], dim=1).topk(k, dim=1)
         idx = torch.cat([best_i, torch.arange(start, start + rows.shape[0], device=device).expand(q.shape[0], -1)], 1)
         best_v, best_i = v, idx.gather(1, i)
     parts = None
     if per_module:
-        hits = torch.from_numpy(np.array(index.gradients[np.sort(np.unique(best_i.cpu().numpy()))])).to(device)
-        lookup = {int(r): n for n, r in enumerate(np.sort(np.unique(best_i.cpu().numpy())))}
+        hit_rows = np.sort(np.unique(best_i.cpu().numpy()))
+        hits = torch.from_numpy(np.array(index.gradients[hit_rows])).to(device)
+        lookup = {int(r): n for n, r in enumerate(hit_rows)}
         rows = hits[[lookup[int(r)] for r in best_i.reshape(-1)]].view(*best_i.shape, -1)
+        mask = module_columns(blocks, modules)
+        if mask is not None:
+            rows = rows * mask.to(device)
         if unit_normalize:
             rows = rows / rows.norm(dim=-1, keepdim=True).clamp_min(1e-30)
         prod = rows * q.unsqueeze(1)
         parts = torch.stack([prod[..., b.start : b.stop].sum(-1) for b in blocks], dim=-1).cpu().numpy()
     return Scores(best_v.cpu().numpy(), best_i.cpu().numpy(), parts)
+
+
+def score_matrix(
+    index: Index,
+    queries: torch.Tensor | np.ndarray,
+    *,
+    ekfac: EKFAC | None = None,
+    unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
+    modules: str | None = None,
+    out: str | Path | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    device: str | torch.device | None = None,
+    progress: bool = False,
+) -> np.ndarray:
+    """Every score: `[Q, rows]` float32, streamed over the index in blocks of `block_bytes`.
+
+    With `out` (a `.npy` path) the matrix is written to a memory-mapped file as it is computed
+    and returned memory-mapped, so neither the index nor the scores need to fit in memory.
+    """
+    device = _device(device)
+    q = prepare_queries(index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules).to(device)
+    shape = (q.shape[0], index.gradients.shape[0])
+    if out is None:
+        result = np.empty(shape, dtype=np.float32)
+    else:
+        result = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=shape)
+    for start, rows in row_blocks(index, device, block_bytes, unit_normalize, progress, modules):
+        result[:, start : start + rows.shape[0]] = (q @ rows.T).cpu().numpy()
+    if out is not None:
+        result.flush()
+    return result
 
 
 def group_parts(parts: np.ndarray, blocks: list[Block]) -> dict[str, dict[str, float]]:

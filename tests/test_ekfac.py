@@ -67,7 +67,7 @@ def brute_force_expert_covariances(model, exs, layer=0):
 def test_expert_factors_equal_brute_force_covariances():
     model = tiny_model("qwen3_moe")
     exs = examples()
-    ek = fit_ekfac(model, exs, token_batch_size=40, progress=False)
+    ek = fit_ekfac(model, exs, token_batch_size=40, progress=False, sampled_labels=False)
     A, G, count = brute_force_expert_covariances(model, exs)
     f = ek.factors["model.layers.0.mlp.experts.gate_up_proj"]
     assert torch.equal(f.tokens.float(), count)
@@ -79,7 +79,7 @@ def test_expert_factors_equal_brute_force_covariances():
 def test_corrected_eigenvalues_equal_mean_squared_rotated_gradients():
     model = tiny_model("gpt_oss")  # transposed layouts and biases
     exs = examples(10)
-    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False)
+    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False)
     ids, mask = collate(exs, list(range(len(exs))))
     grads = ma.per_example_gradients(model, ids, mask)
     for name in [
@@ -106,8 +106,8 @@ def test_corrected_eigenvalues_equal_mean_squared_rotated_gradients():
 def test_projected_factors_are_projected_covariances():
     model = tiny_model("qwen3_moe")
     exs = examples(8)
-    full = fit_ekfac(model, exs, token_batch_size=1000, progress=False)
-    proj = fit_ekfac(model, exs, token_batch_size=1000, projection_dim=8, seed=3, progress=False)
+    full = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False)
+    proj = fit_ekfac(model, exs, token_batch_size=1000, projection_dim=8, seed=3, progress=False, sampled_labels=False)
     name = "model.layers.1.mlp.experts.down_proj"
     p_in = projection_matrix(f"{name}/in", 8, 32, 3, batch=8).double()
     assert torch.allclose(proj.factors[name].A, p_in @ full.factors[name].A @ p_in.transpose(1, 2), atol=1e-8)
@@ -119,7 +119,7 @@ def test_projected_factors_are_projected_covariances():
 def test_ekfac_beats_kfac_and_identity_on_an_exact_block_fisher(capsys):
     model = tiny_model("qwen3_moe")
     exs = examples(48, seed=1)
-    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False)
+    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False)
     ids, mask = collate(exs, list(range(48)))
     grads = ma.per_example_gradients(model, ids, mask)
     name = "model.layers.1.self_attn.k_proj"  # 32 x 64: a 2048 x 2048 block Fisher

@@ -1,0 +1,399 @@
+"""Linear Datamodeling Score (LDS) of moe-attrib's rankings on a small MoE trained from a transformers config.
+
+    python benchmarks/lds.py                      # 2 CPU cores, about 15 minutes the first time
+    python benchmarks/lds.py --config gpu --device cuda
+    python benchmarks/lds.py --config smoke       # seconds; what the test suite runs
+
+1. A tiny qwen3_moe (2 layers, 8 experts, top-2) is trained on a 3-domain prompt/completion corpus
+   (`moe_attrib.synthetic`); M more copies are trained from the same initial weights on random 50%
+   subsets, and again with another data-order seed (test-retest). Their query losses are cached in
+   `--cache`, so a rerun of the attribution part takes seconds.
+2. Every variant scores each (query, training example) pair with the full model's gradients.
+3. LDS = mean over queries of Spearman(predicted, actual) over the M subsets, where the predicted loss
+   of subset S is `-sum_{i in S} score(q, i)`; 95% CIs by bootstrap over queries, and the CI of each
+   variant's difference to the default (paired bootstrap).
+
+Results go to `benchmarks/results/lds-<config>.json`; `docs/quality.md` reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import moe_attrib as ma  # noqa: E402
+from moe_attrib.collector import example_losses  # noqa: E402
+from moe_attrib.data import collate, labels_for, load_examples  # noqa: E402
+from moe_attrib.ekfac import DAMPING_SCOPES, DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE  # noqa: E402
+from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
+from moe_attrib.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
+from moe_attrib.synthetic import multi_domain_corpus, texts  # noqa: E402
+from moe_attrib.zoo import tiny_model, train_tokenizer  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Config:
+    hidden: int = 64
+    layers: int = 2
+    experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 32
+    heads: int = 4
+    people: int = 40
+    arithmetic: int = 72
+    sequences: int = 64
+    queries_per_domain: int = 16
+    models: int = 128
+    epochs: int = 10
+    batch: int = 16
+    lr: float = 3e-3  # peak; linear decay to 0 over the run
+    seed: int = 0
+
+
+CONFIGS = {
+    "cpu": Config(),
+    "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
+    "gpu": Config(
+        hidden=256,
+        layers=4,
+        experts=16,
+        moe_intermediate=128,
+        people=160,
+        arithmetic=100,
+        sequences=240,
+        queries_per_domain=32,
+        models=200,
+        epochs=30,
+        batch=32,
+        lr=2e-3,
+    ),  # fmt: skip
+}
+
+
+# -- data and training --------------------------------------------------------------------------
+def corpus(cfg: Config, root: Path):
+    train, queries = multi_domain_corpus(
+        cfg.people, cfg.arithmetic, cfg.sequences, cfg.queries_per_domain, cfg.seed, fact_queries="statement"
+    )
+    for name, rows in (("train.jsonl", train), ("queries.jsonl", queries)):
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = train_tokenizer(texts(train + queries))
+    return train, queries, tokenizer
+
+
+def make_model(cfg: Config, vocab: int, device: str):
+    return tiny_model(
+        "qwen3_moe",
+        seed=cfg.seed,
+        vocab_size=vocab,
+        hidden_size=cfg.hidden,
+        num_hidden_layers=cfg.layers,
+        num_experts=cfg.experts,
+        num_experts_per_tok=cfg.top_k,
+        moe_intermediate_size=cfg.moe_intermediate,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.heads // 2,
+        head_dim=cfg.hidden // cfg.heads,
+    ).to(device)
+
+
+def train(cfg: Config, examples, subset: np.ndarray, order_seed: int, vocab: int, device: str):
+    """A model trained from the shared initial weights on `examples[subset]`: AdamW, `epochs` passes,
+    learning rate decayed linearly to 0 (so the last batches' order matters little)."""
+    model = make_model(cfg, vocab, device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    rng = random.Random(order_seed)
+    rows = [int(i) for i in np.flatnonzero(subset)]
+    steps = cfg.epochs * -(-len(rows) // cfg.batch)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / steps)
+    for _ in range(cfg.epochs):
+        rng.shuffle(rows)
+        for start in range(0, len(rows), cfg.batch):
+            batch = rows[start : start + cfg.batch]
+            ids, mask = collate(examples, batch)
+            labels = labels_for(examples, batch, ids, mask)
+            ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            loss = example_losses(logits, labels).sum() / (labels[:, 1:] != -100).sum()
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+    return model.eval(), opt
+
+
+@torch.no_grad()
+def query_losses(model, queries, device: str) -> np.ndarray:
+    positions = list(range(len(queries)))
+    ids, mask = collate(queries, positions)
+    labels = labels_for(queries, positions, ids, mask)
+    out = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    return example_losses(out, labels.to(device)).cpu().numpy()
+
+
+def _train_losses(args):
+    cfg, examples, queries, subsets, order_seeds, vocab, device = args
+    torch.set_num_threads(1)
+    return np.stack(
+        [
+            query_losses(train(cfg, examples, s, o, vocab, device)[0], queries, device)
+            for s, o in zip(subsets, order_seeds, strict=True)
+        ]
+    )
+
+
+def subset_losses(cfg: Config, examples, queries, vocab: int, device: str, workers: int):
+    """Subsets `[M, N]` and query losses `[M, Q]` for two data orders (LDS and test-retest)."""
+    rng = np.random.default_rng(cfg.seed + 1)
+    n = len(examples)
+    subsets = np.zeros((cfg.models, n), dtype=bool)
+    for m in range(cfg.models):
+        subsets[m, rng.choice(n, n // 2, replace=False)] = True
+    jobs = []
+    for order in (0, 1):
+        seeds = [10_000 * (order + 1) + m for m in range(cfg.models)]
+        chunks = np.array_split(np.arange(cfg.models), max(workers, 1))
+        jobs += [(cfg, examples, queries, subsets[c], [seeds[i] for i in c], vocab, device) for c in chunks]
+    if workers > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("fork" if device == "cpu" else "spawn").Pool(workers) as pool:
+            parts = pool.map(_train_losses, jobs)
+    else:
+        parts = [_train_losses(j) for j in jobs]
+    half = len(parts) // 2
+    return subsets, np.concatenate(parts[:half]), np.concatenate(parts[half:])
+
+
+# -- LDS ----------------------------------------------------------------------------------------
+def spearman_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Spearman correlation of each row of `a` with the same row of `b` (`[Q, M]` each)."""
+    ra = a.argsort(1).argsort(1).astype(np.float64)
+    rb = b.argsort(1).argsort(1).astype(np.float64)
+    ra -= ra.mean(1, keepdims=True)
+    rb -= rb.mean(1, keepdims=True)
+    return (ra * rb).sum(1) / np.sqrt((ra**2).sum(1) * (rb**2).sum(1)).clip(1e-30)
+
+
+def per_query_lds(scores: np.ndarray, subsets: np.ndarray, losses: np.ndarray) -> np.ndarray:
+    """`[Q]` Spearman between predicted (`-scores @ subsets^T`) and actual subset losses."""
+    predicted = -(scores.astype(np.float64) @ subsets.T.astype(np.float64))  # [Q, M]
+    return spearman_rows(predicted, losses.T)
+
+
+def bootstrap(values: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    rng = np.random.default_rng(seed)
+    means = values[rng.integers(0, len(values), (reps, len(values)))].mean(1)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+# -- attribution variants -----------------------------------------------------------------------
+GROUPS = {"attention": "*.self_attn.*", "experts": "*.experts.*", "routers": "*.mlp.gate.*", "lm_head": "lm_head.*"}
+
+
+class Attribution:
+    """Indexes, factors and query rows of the full model, built once per setting through the public API."""
+
+    def __init__(self, model, examples, queries, root: Path, device: str, optimizer_state: Path):
+        self.model, self.examples, self.queries, self.root = model, examples, queries, root
+        self.device, self.optimizer_state = device, optimizer_state
+        self.cache: dict = {}
+
+    def get(self, p: int | None, tracked: bool = True, opt: bool = False):
+        key = (p, tracked, opt)
+        if key not in self.cache:
+            path = self.root / f"index-{p}-{tracked}-{opt}"
+            ma.build_index(self.model, self.examples, path, projection_dim=p, track_moe_experts=tracked,
+                           optimizer_state=str(self.optimizer_state) if opt else None, progress=False)  # fmt: skip
+            index = ma.load_index(path)
+            q = ma.query_gradients(self.model, self.queries, index)
+            self.cache[key] = (index, q, np.asarray(index.gradients))
+        return self.cache[key]
+
+    def ekfac(self, p: int | None, tracked: bool = True, sampled: bool | None = None, damping=None, scope=None):
+        """Factors fitted with the library's defaults except where given; damping re-applied without refitting."""
+        key = ("ekfac", p, tracked, sampled)
+        if key not in self.cache:
+            kwargs = {} if sampled is None else {"sampled_labels": sampled}
+            self.cache[key] = ma.fit_ekfac(self.model, self.examples, projection_dim=p, track_moe_experts=tracked,
+                                           progress=False, **kwargs)  # fmt: skip
+        ek = self.cache[key]
+        if damping is not None or scope is not None:
+            ek = ek.with_damping(DEFAULT_DAMPING if damping is None else damping, scope or DEFAULT_DAMPING_SCOPE)
+        return ek
+
+    def scores(self, p=None, tracked=True, opt=False, ekfac=None, unit=False, group=None, per_module_unit=False):
+        index, q, rows = self.get(p, tracked, opt)
+        modules = GROUPS[group] if group else None
+        if not per_module_unit:
+            return ma.score_matrix(index, q, ekfac=ekfac, unit_normalize=unit, modules=modules, device=self.device)
+        pre = ma.prepare_queries(index, q, ekfac=ekfac).double().numpy()
+        total = np.zeros((pre.shape[0], rows.shape[0]))
+        for b in index.blocks:  # every module block normalised to unit norm on both sides, then summed
+            qa, ra = pre[:, b.start : b.stop], rows[:, b.start : b.stop].astype(np.float64)
+            total += _unit(qa) @ _unit(ra).T
+        return total
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=1, keepdims=True).clip(1e-30)
+
+
+def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
+    """Score matrices `[Q, N]` of every variant, by name; the first is the documented default pipeline."""
+    v: dict[str, np.ndarray] = {}
+    p0, unit0 = DEFAULT_PROJECTION_DIM, DEFAULT_UNIT_NORMALIZE
+    ek = att.ekfac(p0)
+    v[f"default pipeline (p={p0}, experts tracked, EK-FAC)"] = att.scores(p0, ekfac=ek, unit=unit0)
+    v[f"default pipeline, not tracked (p={p0})"] = att.scores(
+        p0, tracked=False, ekfac=att.ekfac(p0, tracked=False), unit=unit0
+    )
+    ek_exact = att.ekfac(None)
+    v["exact rows, otherwise default"] = att.scores(None, ekfac=ek_exact, unit=unit0)
+    v["exact, not tracked, EK-FAC"] = att.scores(None, tracked=False, ekfac=att.ekfac(None, tracked=False), unit=unit0)
+    v["exact, no preconditioning"] = att.scores(None)
+    v["exact, no preconditioning, cosine"] = att.scores(None, unit=True)
+    v[f"exact, EK-FAC, unit_normalize={not unit0}"] = att.scores(None, ekfac=ek_exact, unit=not unit0)
+    for group in GROUPS:
+        v[f"exact, {group} alone, EK-FAC"] = att.scores(None, ekfac=ek_exact, group=group, unit=unit0)
+        v[f"exact, {group} alone, no preconditioning"] = att.scores(None, group=group, unit=unit0)
+    for p in ps:
+        v[f"projected p={p}, EK-FAC"] = att.scores(p, ekfac=att.ekfac(p), unit=unit0)
+    for sampled in (False, True):
+        fisher = "sampled-label" if sampled else "empirical"
+        for scope in DAMPING_SCOPES:
+            for d in (1e-3, 0.1, 1.0, 10.0):
+                ek = att.ekfac(None, sampled=sampled, damping=d, scope=scope)
+                v[f"exact, {fisher} Fisher, damping {d:g} x mean over {scope}"] = att.scores(None, ekfac=ek, unit=unit0)
+    v["exact, EK-FAC, per-module unit norm"] = att.scores(None, ekfac=ek_exact, per_module_unit=True)
+    v["exact, no preconditioning, per-module unit norm"] = att.scores(None, per_module_unit=True)
+    v["TrackStar: Adam-normalised, unit"] = att.scores(None, opt=True, unit=True)
+    v[f"TrackStar: Adam-normalised p={p0}, unit"] = att.scores(p0, opt=True, unit=True)
+    return v
+
+
+def markdown(result: dict) -> str:
+    """The variants of one result file as a Markdown table (what docs/quality.md shows)."""
+    domains = sorted(next(iter(result["per_domain"].values())))
+    lines = [
+        "| variant | LDS | 95% CI | default - this (95% CI) | " + " | ".join(domains) + " |",
+        "|---|---|---|---|" + "---|" * len(domains),
+    ]
+    for name, r in result["variants"].items():
+        lo, hi = r["ci95"]
+        dlo, dhi = r["default_minus_this_ci95"]
+        per = " | ".join(f"{result['per_domain'][name][d]:.3f}" for d in domains)
+        lines.append(f"| {name} | {r['lds']:.3f} | [{lo:.3f}, {hi:.3f}] | [{dlo:+.3f}, {dhi:+.3f}] | {per} |")
+    return "\n".join(lines)
+
+
+# -- main ---------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="cpu", choices=sorted(CONFIGS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workers", type=int, default=2, help="CPU processes training subset models")
+    parser.add_argument("--cache", default=str(ROOT / "benchmarks" / ".cache"))
+    parser.add_argument("--projections", default="8,16,32,64")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/lds-<config>.json")
+    parser.add_argument("--markdown", default=None, help="print a result file as a Markdown table and exit")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
+    cfg = CONFIGS[args.config]
+    torch.set_num_threads(max(1, args.workers))
+    key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    cache = Path(args.cache) / f"lds-{args.config}-{key}"
+    cache.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    train_records, query_records, tokenizer = corpus(cfg, cache)
+    examples = load_examples(str(cache / "train.jsonl"), tokenizer)
+    queries = load_examples(str(cache / "queries.jsonl"), tokenizer)
+    vocab = len(tokenizer)
+    losses_file = cache / "subset_losses.npz"
+    if losses_file.exists():
+        saved = np.load(losses_file)
+        subsets, losses, retest = saved["subsets"], saved["losses"], saved["retest"]
+        train_seconds = float(saved["seconds"])
+        print(f"lds: cached subset losses from {losses_file}")
+    else:
+        print(f"lds: training {2 * cfg.models} subset models ({len(examples)} examples, {cfg.epochs} epochs) ...")
+        subsets, losses, retest = subset_losses(cfg, examples, queries, vocab, args.device, args.workers)
+        train_seconds = time.perf_counter() - t0
+        np.savez(losses_file, subsets=subsets, losses=losses, retest=retest, seconds=train_seconds)
+    model_dir = cache / "full-model"
+    if not model_dir.exists():
+        torch.set_num_threads(max(1, args.workers))
+        model, opt = train(cfg, examples, np.ones(len(examples), bool), 0, vocab, args.device)
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        torch.save(opt.state_dict(), model_dir / "optimizer.pt")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(args.device).eval()
+    t1 = time.perf_counter()
+    ps = [int(p) for p in args.projections.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        att = Attribution(model, examples, queries, Path(tmp), args.device, model_dir / "optimizer.pt")
+        scores = variants(att, ps)
+    rng = np.random.default_rng(0)
+    scores["random scores"] = rng.standard_normal(next(iter(scores.values())).shape)
+    per_query = {name: per_query_lds(s, subsets, losses) for name, s in scores.items()}
+    per_query["test-retest (same subsets, another data order)"] = spearman_rows(losses.T, retest.T)
+    default = next(iter(per_query))
+    rows = {}
+    for name, values in per_query.items():
+        lo, hi = bootstrap(values)
+        dlo, dhi = bootstrap(per_query[default] - values)
+        rows[name] = {"lds": float(values.mean()), "ci95": [lo, hi], "default_minus_this_ci95": [dlo, dhi]}
+    attribution_seconds = time.perf_counter() - t1
+    domains = [r["domain"] for r in query_records]
+    result = {
+        "config": args.config,
+        "settings": asdict(cfg),
+        "examples": len(examples),
+        "queries": len(queries),
+        "device": args.device,
+        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
+        "train_seconds": train_seconds,
+        "attribution_seconds": attribution_seconds,
+        "per_domain": {
+            name: {
+                d: float(np.mean([v for v, dd in zip(vals, domains, strict=True) if dd == d]))
+                for d in sorted(set(domains))
+            }
+            for name, vals in per_query.items()
+        },
+        "variants": rows,
+    }
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"lds-{args.config}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nLDS over {len(queries)} queries, {cfg.models} subset models ({len(examples)} training examples):")
+    print(f"  {'variant':58s} {'LDS':>7s}  {'95% CI':>17s}  {'default - this (95% CI)':>24s}")
+    for name, r in rows.items():
+        lo, hi = r["ci95"]
+        dlo, dhi = r["default_minus_this_ci95"]
+        print(f"  {name:58s} {r['lds']:7.3f}  [{lo:6.3f}, {hi:6.3f}]  [{dlo:+7.3f}, {dhi:+7.3f}]")
+    print(f"\ntraining {train_seconds:.0f} s (cached: 0 on rerun), attribution {attribution_seconds:.0f} s; -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""What a score result carries beyond its top-k rows: the query's expert routing and, for a token
+index, every token's share of a hit example's score.
+
+Both are computed next to `score` (same model, same index settings, same scoring transform), so
+that the results file holds everything a reader or the HTML report needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from moe_attrib.collector import GradientCollector
+from moe_attrib.data import Example, collate, labels_for, token_batches
+from moe_attrib.discovery import discover
+from moe_attrib.ekfac import EKFAC
+from moe_attrib.index import Index
+from moe_attrib.score import score
+
+
+def query_expert_counts(
+    model: torch.nn.Module, examples: list[Example], index: Index, *, pad_id: int = 0, token_batch_size: int = 8192
+) -> np.ndarray | None:
+    """Tokens each query routes to each expert, `[Q, layers, E]` in the index's `expert_layers`
+    order (what `index.expert_counts` holds for training examples); None for an index without
+    expert layers. Costs one extra forward and activation backward over the queries."""
+    layers = index.manifest.get("expert_layers") or []
+    if not layers:
+        return None
+    width = index.expert_counts.shape[2]
+    out = np.zeros((len(examples), len(layers), width), dtype=np.float32)
+    report = discover(model, track_moe_experts=True, warn=False)
+    device = next(model.parameters()).device
+    with GradientCollector(model, report, projection_dim=1) as collector:
+        for positions in token_batches(examples, token_batch_size):
+            ids, mask = collate(examples, positions, pad_id)
+            labels = labels_for(examples, positions, ids, mask).to(device)
+            res = collector.collect(ids.to(device), mask.to(device), labels, fused_experts=True)
+            counts = res.expert_counts.float().cpu().numpy()
+            for j, name in enumerate(res.expert_layers):
+                if name in layers:
+                    out[positions, layers.index(name), : counts.shape[2]] = counts[:, j]
+    return out
+
+
+def token_scores(
+    index: Index,
+    queries: torch.Tensor,
+    examples: list[int],
+    *,
+    ekfac: EKFAC | None = None,
+    unit_normalize: bool = False,
+    modules: str | None = None,
+) -> dict[int, np.ndarray]:
+    """Scores of every query against every token row of the given example positions of a token
+    index (`--attribute_tokens`): `{position: [Q, tokens]}`. Computed by `score` itself on a view of
+    those rows, so the values are exactly the ones a ranking over the whole index would give."""
+    if index.token_offsets is None:
+        raise ValueError(f"{index.path} is not a token index (build --attribute_tokens): it has no token rows.")
+    offsets = index.token_offsets
+    positions = sorted(set(examples))
+    if not positions:
+        return {}
+    rows = np.concatenate([np.arange(offsets[p], offsets[p + 1]) for p in positions])
+    view = replace(index, gradients=np.asarray(index.gradients[rows]), token_offsets=None)
+    res = score(
+        view,
+        queries,
+        ekfac=ekfac,
+        unit_normalize=unit_normalize,
+        top_k=len(rows),
+        modules=modules,
+        device="cpu",
+    )
+    full = np.zeros((queries.shape[0], len(rows)), dtype=np.float64)
+    np.put_along_axis(full, res.rows, res.values, axis=1)
+    out, start = {}, 0
+    for p in positions:
+        n = int(offsets[p + 1] - offsets[p])
+        out[p] = full[:, start : start + n]
+        start += n
+    return out
+
+
+def token_pieces(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's piece of the decoded text (spaces included), so the pieces join to the text;
+    token ids as strings when there is no tokenizer."""
+    if tokenizer is None:
+        return [str(i) for i in ids]
+    pieces = []
+    for n in range(len(ids)):
+        window = ids[max(0, n - 6) : n]  # a few tokens of context give the piece its leading space
+        before = tokenizer.decode(window, skip_special_tokens=False)
+        text = tokenizer.decode([*window, ids[n]], skip_special_tokens=False)
+        pieces.append(text[len(before) :] if text.startswith(before) else tokenizer.decode([ids[n]]))
+    return pieces

@@ -1,0 +1,219 @@
+"""Score results as records, and their files: `.jsonl` (one line per query, exact), `.csv` and `.tsv`
+(one row per query and hit, for spreadsheets and pandas), chosen by the file's extension.
+
+A record is `{"query", "query_text", "query_fields" | "query_id", ["query_expert_counts"], "results": [hit]}`
+and a hit `{"rank", "row", "example", ["token"], "score", "text", "fields" | "id", ["per_module"],
+["tokens", "token_scores"]}`. `fields` carry the data record's scalar fields (ids, metadata) into the results;
+with `id_field` only that one field is carried, as `id` / `query_id`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moe_attrib.data import Example
+from moe_attrib.index import Index
+from moe_attrib.score import Scores, group_parts
+
+FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
+_INT = ("query", "rank", "row", "example", "token")
+_JSON = ("per_module", "tokens", "token_scores", "query_expert_counts")
+
+
+class ResultsError(ValueError):
+    """A results file or record that cannot be read or written as asked; the message names it."""
+
+
+def results_format(path: str | Path) -> str:
+    """`jsonl`, `csv` or `tsv` from the file's extension (an unknown extension is an error)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        raise ResultsError(f"{path}: unknown results format {suffix!r}; use one of {', '.join(sorted(FORMATS))}.")
+    return FORMATS[suffix]
+
+
+def _carried(ex: Example, id_field: str | None, source: str) -> dict:
+    if id_field is None:
+        return {"fields": dict(ex.fields)}
+    if id_field not in ex.fields:
+        raise ResultsError(
+            f"{source}: row {ex.index} has no scalar field {id_field!r} to use as --id_field "
+            f"(its fields: {sorted(ex.fields) or 'none besides the text'})."
+        )
+    return {"id": ex.fields[id_field]}
+
+
+def score_records(
+    queries: list[Example],
+    scores: Scores,
+    index: Index,
+    train: list[Example],
+    *,
+    id_field: str | None = None,
+    query_counts: np.ndarray | None = None,
+    token_scores: dict[int, np.ndarray] | None = None,
+    tokenizer=None,
+    query_source: str = "queries",
+) -> list[dict]:
+    """One record per query from a `Scores` over `index`, whose training examples are `train`
+    (in index order). `query_counts` (`details.query_expert_counts`) and `token_scores`
+    (`details.token_scores`, token indexes) add the routing and per-token views."""
+    from moe_attrib.details import token_pieces
+
+    offsets = index.token_offsets
+    example_ids = index.manifest["example_ids"]
+    source = index.manifest["settings"].get("data", "training data")
+    pieces: dict[int, list[str]] = {}
+    records = []
+    for qi, ex in enumerate(queries):
+        q_carried = _carried(ex, id_field, query_source)
+        record = {"query": ex.index, "query_text": ex.text}
+        record.update({"query_id": q_carried["id"]} if id_field else {"query_fields": q_carried["fields"]})
+        if query_counts is not None:
+            record["query_expert_counts"] = query_counts[qi].tolist()
+        hits = []
+        for rank, (value, row) in enumerate(zip(scores.values[qi], scores.rows[qi], strict=True)):
+            pos = int(np.searchsorted(offsets, row, side="right") - 1) if offsets is not None else int(row)
+            hit = {"rank": rank + 1, "row": int(row), "example": int(example_ids[pos])}
+            if offsets is not None:
+                hit["token"] = int(row - offsets[pos])
+            hit.update({"score": float(value), "text": train[pos].text})
+            hit.update(_carried(train[pos], id_field, source))
+            if scores.parts is not None:
+                hit["per_module"] = group_parts(scores.parts[qi, rank], index.blocks)
+            if token_scores is not None and pos in token_scores:
+                if pos not in pieces:
+                    pieces[pos] = token_pieces(tokenizer, train[pos].input_ids)
+                hit["tokens"] = pieces[pos]
+                hit["token_scores"] = [float(v) for v in token_scores[pos][qi]]
+            hits.append(hit)
+        record["results"] = hits
+        records.append(record)
+    return records
+
+
+def write_results(records: list[dict], path: str | Path) -> Path:
+    """Write records as JSONL, CSV or TSV (by extension)."""
+    path = Path(path)
+    fmt = results_format(path)
+    if fmt == "jsonl":
+        with path.open("w") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+        return path
+    rows = [_flat(record, hit) for record in records for hit in record["results"]]
+    columns: list[str] = []
+    for row in rows:
+        columns += [c for c in row if c not in columns]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns, delimiter="," if fmt == "csv" else "\t", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def _cell(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _flat(record: dict, hit: dict) -> dict:
+    row = {"query": record["query"]}
+    if "query_id" in record:
+        row["query_id"] = _cell(record["query_id"])
+    row.update({f"query_fields.{k}": _cell(v) for k, v in record.get("query_fields", {}).items()})
+    row["query_text"] = record["query_text"] or ""
+    for key, value in hit.items():
+        if key == "fields":
+            row.update({f"fields.{k}": _cell(v) for k, v in value.items()})
+        elif key == "text":
+            row[key] = value or ""
+        elif key in _JSON:
+            row[key] = json.dumps(value)
+        else:
+            row[key] = _cell(value) if key == "id" else value
+    if "query_expert_counts" in record:
+        row["query_expert_counts"] = json.dumps(record["query_expert_counts"])
+    return row
+
+
+def _scalar(cell: str):
+    """A record field read back from CSV: numbers and booleans parse, everything else stays text."""
+    try:
+        value = json.loads(cell)
+    except ValueError:
+        return cell
+    return value if isinstance(value, int | float | bool) else cell
+
+
+def read_results(path: str | Path) -> list[dict]:
+    """Records from a JSONL, CSV or TSV results file (CSV/TSV: a text field that looks like a
+    number reads back as a number; JSONL keeps every type)."""
+    path = Path(path)
+    fmt = results_format(path)
+    if not path.is_file():
+        raise ResultsError(f"{path}: no such results file (write one with `moe-attrib score --out {path.name}`).")
+    if fmt == "jsonl":
+        records = []
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ResultsError(f"{path}:{lineno}: not valid JSON ({err.msg}).") from err
+        return records
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="," if fmt == "csv" else "\t"))
+    records: list[dict] = []
+    for lineno, row in enumerate(rows, 2):
+        try:
+            new = _unflat(row, records[-1] if records else None)
+        except (KeyError, ValueError, TypeError) as err:
+            raise ResultsError(f"{path}:{lineno}: not a moe-attrib results row ({err!r}).") from err
+        if new is not None:
+            records.append(new)
+    return records
+
+
+def _unflat(row: dict, last: dict | None) -> dict | None:
+    """Add one CSV row's hit to `last` (same query) or return a new record holding it."""
+    query = int(row["query"])
+    if last is None or last["query"] != query:
+        record = {"query": query, "query_text": row["query_text"] or None}
+        if "query_id" in row:
+            record["query_id"] = _scalar(row["query_id"])
+        else:
+            record["query_fields"] = {
+                k.split(".", 1)[1]: _scalar(v) for k, v in row.items() if k.startswith("query_fields.") and v != ""
+            }
+        if row.get("query_expert_counts"):
+            record["query_expert_counts"] = json.loads(row["query_expert_counts"])
+        record["results"] = []
+        new = record
+    else:
+        record, new = last, None
+    hit: dict = {}
+    for key, value in row.items():
+        if key.startswith("query") or value == "" and key != "text":
+            continue
+        if key in _INT:
+            hit[key] = int(value)
+        elif key == "score":
+            hit[key] = float(value)
+        elif key == "text":
+            hit[key] = value or None
+        elif key == "id":
+            hit[key] = _scalar(value)
+        elif key.startswith("fields."):
+            hit.setdefault("fields", {})[key.split(".", 1)[1]] = _scalar(value)
+        elif key in _JSON:
+            hit[key] = json.loads(value)
+        else:
+            hit[key] = value
+    if "id" not in hit:
+        hit.setdefault("fields", {})
+    record["results"].append(hit)
+    return new

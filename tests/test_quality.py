@@ -1,0 +1,184 @@
+"""Attribution quality plumbing: EK-FAC on the rows' loss, exact-row indexes, all-row scores, damping, LDS smoke."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe_attrib as ma
+from moe_attrib.data import Example, collate
+from moe_attrib.ekfac import fit_ekfac, set_damping
+from moe_attrib.zoo import tiny_model
+from tests.conftest import rel_err
+from tests.test_build import ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def prompt_completion_examples(n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(6, 14, (1,), generator=g))
+        ids = torch.randint(3, 128, (length,), generator=g).tolist()
+        out.append(Example(i, ids, loss_start=int(torch.randint(2, length - 2, (1,), generator=g))))
+    return out
+
+
+def brute_force_covariances(model, exs, name):
+    """A and G of one linear module from autograd, one unpadded example at a time, completion-only loss."""
+    module = model.get_submodule(name)
+    A = torch.zeros(module.in_features, module.in_features, dtype=torch.float64)
+    G = torch.zeros(module.out_features, module.out_features, dtype=torch.float64)
+    store = {}
+
+    def hook(m, args, out):
+        out.retain_grad()
+        store["x"], store["y"] = args[0].detach(), out
+
+    handle = module.register_forward_hook(hook)
+    tokens = 0
+    try:
+        for ex in exs:
+            ids = torch.tensor([ex.input_ids])
+            logits = model(input_ids=ids).logits[0, :-1]
+            start = max(ex.loss_start - 1, 0)  # logits[t] predicts token t + 1; tokens before loss_start carry none
+            F.cross_entropy(logits[start:], ids[0, start + 1 :], reduction="sum").backward()
+            x, g = store["x"][0].double(), store["y"].grad[0].double()
+            A += x.T @ x
+            G += g.T @ g
+            tokens += x.shape[0]
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+    return A / tokens, G / tokens
+
+
+def test_ekfac_is_fitted_on_the_completion_only_loss():
+    model = tiny_model("qwen3_moe")
+    exs = prompt_completion_examples()
+    ek = fit_ekfac(model, exs, token_batch_size=64, sampled_labels=False, progress=False)
+    for name in ("model.layers.1.self_attn.o_proj", "lm_head"):
+        A, G = brute_force_covariances(model, exs, name)
+        f = ek.factors[name]
+        assert rel_err(f.A, A) < 1e-5 and rel_err(f.G, G) < 1e-5, (name, rel_err(f.A, A), rel_err(f.G, G))
+        # and it is not the every-token loss's G (what fit_ekfac used before)
+        everything = [Example(e.index, e.input_ids) for e in exs]
+        _, G_all = brute_force_covariances(model, everything, name)
+        assert rel_err(G_all, G) > 1e-2
+
+
+def test_exact_row_index_equals_per_example_gradients(tmp_path):
+    model = tiny_model("gpt_oss")  # transposed experts with biases, a router with a bias
+    exs = prompt_completion_examples(6, seed=3)
+    ma.build_index(model, exs, tmp_path / "idx", projection_dim=None, token_batch_size=40, progress=False)
+    index = ma.load_index(tmp_path / "idx")
+    ids, mask = collate(exs, list(range(len(exs))))
+    labels = ids.masked_fill(mask == 0, -100)
+    for row, ex in enumerate(exs):
+        labels[row, : ex.loss_start] = -100
+    grads = ma.per_example_gradients(model, ids, mask, labels)
+    assert index.gradients.shape == (6, sum(int(np.prod(b.shape)) for b in index.blocks))
+    for b in index.blocks:
+        got = torch.from_numpy(np.array(index.gradients[:, b.start : b.stop]))
+        assert torch.allclose(got, grads[b.name].reshape(6, -1), rtol=1e-4, atol=1e-6), b.name
+        assert tuple(grads[b.name].shape[1:]) == b.shape
+
+
+@pytest.fixture(scope="module")
+def small_index(tmp_path_factory):
+    root = tmp_path_factory.mktemp("allrows")
+    model = tiny_model("qwen3_moe")
+    exs = prompt_completion_examples(10, seed=5)
+    ma.build_index(model, exs, root / "idx", projection_dim=4, seed=1, token_batch_size=40, progress=False)
+    index = ma.load_index(root / "idx")
+    ek = fit_ekfac(model, exs, projection_dim=4, seed=1, token_batch_size=40, progress=False)
+    q = ma.query_gradients(model, exs[:3], index)
+    return root, index, ek, q
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"unit_normalize": True}, {"ekfac": True}, {"ekfac": True, "unit": True}])
+def test_all_row_scores_equal_brute_force(small_index, kwargs, tmp_path):
+    root, index, ek, q = small_index
+    use_ek, unit = kwargs.get("ekfac"), kwargs.get("unit_normalize") or kwargs.get("unit")
+    qq = q.double()
+    if use_ek:
+        qq = ma.precondition_queries(q, index.blocks, ek, index.manifest["settings"]).double()
+    rows = torch.from_numpy(np.asarray(index.gradients)).double()
+    if unit:
+        qq, rows = qq / qq.norm(dim=1, keepdim=True), rows / rows.norm(dim=1, keepdim=True)
+    brute = (qq @ rows.T).numpy()
+    opts = {
+        "ekfac": ek if use_ek else None,
+        "unit_normalize": bool(unit),
+        "block_bytes": 3 * 4 * index.gradients.shape[1],
+    }
+    got = ma.score_matrix(index, q, device="cpu", **opts)
+    assert got.shape == (3, 10) and np.allclose(got, brute, rtol=1e-4, atol=1e-8)
+    on_disk = ma.score_matrix(index, q, device="cpu", out=tmp_path / "s.npy", **opts)
+    assert np.array_equal(np.load(tmp_path / "s.npy"), got) and np.array_equal(np.asarray(on_disk), got)
+    top = ma.score(index, q, top_k=4, device="cpu", **opts)
+    assert np.array_equal(top.rows, np.argsort(-brute, axis=1)[:, :4])
+
+
+def test_damping_scopes_and_no_zero_damping():
+    model = tiny_model("qwen3_moe")
+    exs = [Example(0, [5, 9, 11])]  # 3 tokens x top-2: at least 2 of 8 experts receive none
+    ek = fit_ekfac(model, exs, token_batch_size=64, progress=False)
+    experts = ek.factors["model.layers.0.mlp.experts.gate_up_proj"]
+    assert (experts.tokens == 0).any()
+    expert = ek.with_damping(0.1, "expert").factors["model.layers.0.mlp.experts.gate_up_proj"]
+    module = ek.with_damping(0.1, "module").factors["model.layers.0.mlp.experts.gate_up_proj"]
+    whole = ek.with_damping(0.1, "model")
+    all_lam = torch.cat([f.lam.reshape(-1) for f in ek.factors.values()])
+    means = experts.lam.mean(dim=(-1, -2))
+    used = means > 0
+    assert torch.allclose(expert.damping[used], 0.1 * means[used])
+    assert (~used).any() and torch.allclose(expert.damping[~used], 0.1 * all_lam.mean())  # falls back model-wide
+    assert torch.allclose(module.damping, torch.full_like(module.damping, 0.1 * float(experts.lam.mean())))
+    for f in whole.factors.values():
+        assert torch.allclose(f.damping, torch.full_like(f.damping, 0.1 * float(all_lam.mean())))
+    for damped in (expert, module):
+        assert (damped.damping > 0).all()
+        grad = torch.randn(damped.lam.shape, dtype=torch.float64)
+        assert torch.isfinite(damped.precondition(grad)).all()
+    with pytest.raises(ValueError, match="scope"):
+        set_damping(dict(ek.factors), 0.1, "layer")
+
+
+def test_lds_benchmark_smoke(tmp_path):
+    out = tmp_path / "lds.json"
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lds.py"), "--config", "smoke", "--cache", str(tmp_path / "cache"),
+         "--projections", "8", "--workers", "1", "--out", str(out)],
+        capture_output=True, text=True, env={**ENV, "OMP_NUM_THREADS": "1"}, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["variants"]
+    assert any(name.startswith("default") for name in rows) and "random scores" in rows
+    for name, r in rows.items():
+        assert np.isfinite(r["lds"]) and r["ci95"][0] <= r["lds"] <= r["ci95"][1], name
+    retest = rows["test-retest (same subsets, another data order)"]
+    assert retest["ci95"][0] > rows["random scores"]["ci95"][1]  # the subset models' losses carry signal
+
+
+@pytest.mark.parametrize("unit", [False, True])
+def test_module_restricted_scores_equal_brute_force_on_those_columns(small_index, unit):
+    root, index, ek, q = small_index
+    cols = np.concatenate([np.arange(b.start, b.stop) for b in index.blocks if ".experts." in b.name])
+    qq = ma.precondition_queries(q, index.blocks, ek, index.manifest["settings"]).double()[:, cols]
+    rows = torch.from_numpy(np.asarray(index.gradients)[:, cols]).double()
+    if unit:
+        qq, rows = qq / qq.norm(dim=1, keepdim=True), rows / rows.norm(dim=1, keepdim=True)
+    got = ma.score_matrix(index, q, ekfac=ek, unit_normalize=unit, modules="*.experts.*", device="cpu")
+    assert np.allclose(got, (qq @ rows.T).numpy(), rtol=1e-4, atol=1e-8)
+    top = ma.score(index, q, ekfac=ek, unit_normalize=unit, modules="*.experts.*", top_k=2, per_module=True)
+    assert np.allclose(top.parts.sum(-1), top.values, rtol=1e-4, atol=1e-8)
+    with pytest.raises(ma.ScoreError, match="matches no block"):
+        ma.score_matrix(index, q, modules="*.nothing.*")
