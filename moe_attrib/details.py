@@ -17,7 +17,7 @@ from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Index
-from moe_attrib.score import score
+from moe_attrib.score import DEFAULT_UNIT_NORMALIZE, score_matrix
 
 
 def query_expert_counts(
@@ -51,11 +51,11 @@ def token_scores(
     examples: list[int],
     *,
     ekfac: EKFAC | None = None,
-    unit_normalize: bool = False,
+    unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
     modules: str | None = None,
 ) -> dict[int, np.ndarray]:
     """Scores of every query against every token row of the given example positions of a token
-    index (`--attribute_tokens`): `{position: [Q, tokens]}`. Computed by `score` itself on a view of
+    index (`--attribute_tokens`): `{position: [Q, tokens]}`. Computed by `score_matrix` on a view of
     those rows, so the values are exactly the ones a ranking over the whole index would give."""
     if index.token_offsets is None:
         raise ValueError(f"{index.path} is not a token index (build --attribute_tokens): it has no token rows.")
@@ -65,17 +65,7 @@ def token_scores(
         return {}
     rows = np.concatenate([np.arange(offsets[p], offsets[p + 1]) for p in positions])
     view = replace(index, gradients=np.asarray(index.gradients[rows]), token_offsets=None)
-    res = score(
-        view,
-        queries,
-        ekfac=ekfac,
-        unit_normalize=unit_normalize,
-        top_k=len(rows),
-        modules=modules,
-        device="cpu",
-    )
-    full = np.zeros((queries.shape[0], len(rows)), dtype=np.float64)
-    np.put_along_axis(full, res.rows, res.values, axis=1)
+    full = score_matrix(view, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, device="cpu")
     out, start = {}, 0
     for p in positions:
         n = int(offsets[p + 1] - offsets[p])
