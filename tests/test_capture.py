@@ -284,14 +284,17 @@ def test_unknown_experts_layout_builds_attention_only_with_a_warning(padded_batc
 
 
 def test_ekfac_covers_grouped_linears_against_brute_force_covariances():
-    """deepseek_v4's o_a_proj: rows are (token, group) pairs; A and G equal per-example brute force."""
+    """deepseek_v4's o_a_proj: rows are (token, group) pairs; A and G (the data's labels) equal brute force."""
     model = tiny_model("deepseek_v4")
     name, p = "model.layers.0.self_attn.o_a_proj", 8
     module = model.get_submodule(name)
     groups, out = module.n_groups, module.weight.shape[0]
     g = torch.Generator().manual_seed(0)
     exs = [Example(i, torch.randint(3, 128, (int(n),), generator=g).tolist()) for i, n in enumerate([9, 5, 12, 7])]
-    ek = fit_ekfac(model, exs, projection_dim=p, filter_modules="*.o_a_proj", token_batch_size=64, progress=False)
+    ek = fit_ekfac(
+        model, exs, projection_dim=p, filter_modules="*.o_a_proj", sampled_labels=False, token_batch_size=64,
+        progress=False,
+    )  # fmt: skip
     assert name in ek.factors
     p_in = projection_matrix(f"{name}/in", p, module.weight.shape[1]).T.double()
     p_out = projection_matrix(f"{name}/out", p, out).T.double().view(groups, out // groups, p)
