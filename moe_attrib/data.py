@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,9 @@ class DataError(ValueError):
     """Input data that cannot be attributed as given; the message names the file/row at fault."""
 
 
+NO_TOKENIZER = "the model directory has none: pass --tokenizer DIR (or give pretokenized input_ids)."
+
+
 @dataclass
 class Example:
     index: int  # row in the source, the example's id in the index
@@ -23,37 +28,134 @@ class Example:
     loss_start: int = 0  # tokens before this position carry no loss (prompt of a prompt/completion pair)
 
 
-def _read_records(source: str, text_field: str) -> list[dict]:
-    path = Path(source)
-    if path.is_dir():
-        try:
-            import datasets
-        except ImportError as err:
-            raise DataError(
-                f"{source} is a directory: reading a `datasets` directory needs `pip install datasets`."
-            ) from err
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-        return [dict(r) for r in ds]
-    if path.is_file():
-        if path.suffix in (".jsonl", ".json"):
-            records = []
-            with path.open() as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as err:
-                        raise DataError(f"{source}:{lineno}: not valid JSON ({err.msg}).") from err
-            return records
-        return [{text_field: line.rstrip("\n")} for line in path.open() if line.strip()]
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    """`org/name` that is not an existing local path: the only strings sent to the hub."""
+    return bool(HUB_ID.match(spec)) and not Path(spec).exists() and not spec.endswith(LOCAL_SUFFIXES)
+
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet", ".tsv")
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _import_datasets(source: str, why: str):
     try:
         import datasets
     except ImportError as err:
-        raise DataError(f"{source}: no such file or directory (hub datasets need `pip install datasets`).") from err
-    return [dict(r) for r in datasets.load_dataset(source, split="train")]
+        raise DataError(
+            f"{source}: {why} needs the `datasets` package: `pip install moe-attrib[datasets]` "
+            "(or convert the data to JSONL)."
+        ) from err
+    return datasets
+
+
+def _pick_split(ds, source: str, split: str | None):
+    datasets = _import_datasets(source, "reading it")
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            split = "train" if "train" in ds else next(iter(ds))
+        if split not in ds:
+            raise DataError(f"{source}: no split {split!r} (splits: {sorted(ds)}); pass --split NAME.")
+        ds = ds[split]
+    return [dict(r) for r in ds]
+
+
+def _read_json(path: Path, source: str) -> list:
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{source}:{err.lineno}: not valid JSON ({err.msg}).") from err
+        return records
+    records = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise DataError(f"{source}:{lineno}: not valid JSON ({err.msg}).") from err
+    return records
+
+
+def _read_records(source: str, text_field: str, split: str | None = None) -> list[dict]:
+    path = Path(source)
+    if path.is_dir():
+        datasets = _import_datasets(source, "a `datasets` directory")
+        return _pick_split(datasets.load_from_disk(str(path)), source, split)
+    if path.is_file():
+        if path.suffix in (".jsonl", ".json"):
+            records = _read_json(path, source)
+        elif path.suffix in (".csv", ".tsv", ".parquet"):
+            datasets = _import_datasets(source, f"reading a {path.suffix} file")
+            kind = "parquet" if path.suffix == ".parquet" else "csv"
+            extra = {"delimiter": "\t"} if path.suffix == ".tsv" else {}
+            try:
+                ds = datasets.load_dataset(kind, data_files=str(path), split="train", **extra)
+            except Exception as err:  # noqa: BLE001 - any reader failure is this file's fault
+                raise DataError(f"{source}: cannot read as {kind} ({type(err).__name__}: {err}).") from err
+            records = [dict(r) for r in ds]
+        else:
+            return [{text_field: line.rstrip("\n")} for line in path.open() if line.strip()]
+        for i, rec in enumerate(records):
+            if not isinstance(rec, dict):
+                raise DataError(f"{source}: row {i} is a JSON {type(rec).__name__}, not an object with fields.")
+        return records
+    if not looks_like_hub_id(source):
+        raise DataError(f"{source}: no such file or directory.")
+    if hub_offline():
+        raise DataError(f"{source}: no such local file, and HF_HUB_OFFLINE is set, so the hub is not asked.")
+    datasets = _import_datasets(source, "a hub dataset")
+    try:
+        ds = datasets.load_dataset(source, split=split or "train")
+    except Exception as err:  # noqa: BLE001 - network, missing dataset, missing split
+        raise DataError(f"{source}: not a local file, and the hub dataset cannot be loaded ({err}).") from err
+    return [dict(r) for r in ds]
+
+
+def _text(rec: dict, field: str, source: str, i: int) -> str:
+    value = rec[field]
+    if not isinstance(value, str):
+        raise DataError(
+            f"{source}: row {i} field {field!r} is {type(value).__name__} ({value!r:.40}), not a string; "
+            "fix or drop the row."
+        )
+    return value
+
+
+def _loss_start(tokenizer, prompt: str, ids: list[int]) -> int:
+    """Tokens of the prompt at the start of `ids`: the shared prefix of the pair's and the
+    prompt's tokens, so special tokens a tokenizer appends to the prompt alone (EOS) do not count."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    n = 0
+    for a, b in zip(prompt_ids, ids, strict=False):
+        if a != b:
+            break
+        n += 1
+    return min(n, len(ids) - 1)
+
+
+def source_path(source: str) -> str:
+    """The absolute path of a local data source (what an index records); hub names as given."""
+    path = Path(source)
+    return str(path.resolve()) if path.exists() else source
+
+
+def check_token_ids(examples: list[Example], vocab_size: int, source: str) -> None:
+    """Every token id must be an embedding row of the model: an error naming the first row that is not."""
+    for ex in examples:
+        bad = [t for t in ex.input_ids if t < 0 or t >= vocab_size]
+        if bad:
+            raise DataError(
+                f"{source}: row {ex.index} has token id {bad[0]}, outside the model's vocabulary "
+                f"(0..{vocab_size - 1}); the input_ids were made with another tokenizer."
+            )
 
 
 def load_examples(
@@ -62,28 +164,35 @@ def load_examples(
     text_field: str = "text",
     max_length: int | None = None,
     truncate: bool = False,
+    split: str | None = None,
 ) -> list[Example]:
     """Read and tokenize a dataset: JSONL, plain text (one example per line), a `datasets`
     directory or a hub name. A pretokenized `input_ids` column is used as is; a record with
     `prompt` and `completion` fields is attributed through the completion's tokens only."""
-    records = _read_records(source, text_field)
+    records = _read_records(source, text_field, split)
     if not records:
         raise DataError(f"{source}: the dataset is empty; nothing to attribute.")
     examples = []
     for i, rec in enumerate(records):
         loss_start = 0
         if "input_ids" in rec:
-            ids, text = [int(t) for t in rec["input_ids"]], rec.get(text_field)
+            try:
+                ids = [int(t) for t in rec["input_ids"]]
+            except (TypeError, ValueError) as err:
+                raise DataError(f"{source}: row {i} input_ids is not a list of integers ({err}).") from err
+            text = rec.get(text_field)
+            text = text if isinstance(text, str) else None
         elif "prompt" in rec and "completion" in rec:
             if tokenizer is None:
-                raise DataError(f"{source}: row {i} has text but the model has no tokenizer.")
-            text = f"{rec['prompt']} {rec['completion']}"
+                raise DataError(f"{source}: row {i} has text but there is no tokenizer; {NO_TOKENIZER}")
+            prompt, completion = _text(rec, "prompt", source, i), _text(rec, "completion", source, i)
+            text = f"{prompt} {completion}"
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-            loss_start = len(tokenizer(str(rec["prompt"]), add_special_tokens=True)["input_ids"])
+            loss_start = _loss_start(tokenizer, prompt, ids)
         elif text_field in rec:
             if tokenizer is None:
-                raise DataError(f"{source}: row {i} has text but the model has no tokenizer.")
-            text = str(rec[text_field])
+                raise DataError(f"{source}: row {i} has text but there is no tokenizer; {NO_TOKENIZER}")
+            text = _text(rec, text_field, source, i)
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         else:
             raise DataError(
