@@ -220,10 +220,17 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
             raise UsageError(f"--tokenizer {tokenizer}: cannot load a tokenizer from it ({err}).") from err
     if model.startswith("tiny:"):
         return None
+    local = Path(model).exists()
     try:
-        return AutoTokenizer.from_pretrained(model, local_files_only=Path(model).exists())
-    except (OSError, ValueError, TypeError):
-        return None
+        return AutoTokenizer.from_pretrained(model, local_files_only=local)
+    except (OSError, ValueError, TypeError) as err:
+        if local:
+            return None
+        offline = " (HF_HUB_OFFLINE is set)" if hub_offline() else ""
+        raise UsageError(
+            f"cannot load model {model!r}: its tokenizer cannot be fetched from the hub{offline} ({err}); "
+            "give a local model directory, or --tokenizer DIR."
+        ) from err
 
 
 def check_collection_args(args: argparse.Namespace) -> None:

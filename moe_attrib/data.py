@@ -17,7 +17,7 @@ class DataError(ValueError):
     """Input data that cannot be attributed as given; the message names the file/row at fault."""
 
 
-NO_TOKENIZER = "the model directory has none: pass --tokenizer DIR (or give pretokenized input_ids)."
+NO_TOKENIZER = "the model has none: pass --tokenizer DIR (or give pretokenized input_ids)."
 
 
 @dataclass

@@ -19,6 +19,7 @@ from moe_attrib.ekfac import EKFAC
 from moe_attrib.fingerprint import check_model, check_settings_match
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
 
+UNDEFINED = torch.finfo(torch.float32).min  # rank of a non-finite score; reported as NaN
 _EXPERT = re.compile(r"^(?P<layer>.+)\.expert_(?P<i>\d+)\.(?P<proj>[^.]+)\.(?P<key>weight|bias)$")
 
 
@@ -106,10 +107,11 @@ def score(
         if unit_normalize:
             rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30)
         s = q @ rows.T
-        s = s.masked_fill(~s.isfinite(), -torch.inf)  # a NaN/inf row never ranks first
+        s = s.masked_fill(~s.isfinite(), UNDEFINED)  # a NaN/inf row never ranks first (but above the -inf fill)
         v, i = torch.cat([best_v, s], dim=1).topk(k, dim=1)
         idx = torch.cat([best_i, torch.arange(start, start + rows.shape[0], device=device).expand(q.shape[0], -1)], 1)
         best_v, best_i = v, idx.gather(1, i)
+    best_v = best_v.masked_fill(best_v == UNDEFINED, torch.nan)
     parts = None
     if per_module:
         hits = torch.from_numpy(np.array(index.gradients[np.sort(np.unique(best_i.cpu().numpy()))])).to(device)
