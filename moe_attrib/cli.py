@@ -206,6 +206,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def has_tokenizer_files(directory: Path) -> bool:
+    return any((directory / name).exists() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(model: str, tokenizer: str | None = None):
     """The tokenizer of `--tokenizer` (which must load) or of the model directory (None when it has
     none: pretokenized data still works and text data is an error naming the row)."""
@@ -214,6 +221,8 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     if tokenizer is not None:
         if not Path(tokenizer).exists() and not looks_like_hub_id(tokenizer):
             raise UsageError(f"--tokenizer {tokenizer}: no such directory.")
+        if Path(tokenizer).is_dir() and not has_tokenizer_files(Path(tokenizer)):
+            raise UsageError(f"--tokenizer {tokenizer}: no tokenizer files in it ({', '.join(TOKENIZER_FILES)}).")
         try:
             return AutoTokenizer.from_pretrained(tokenizer, local_files_only=Path(tokenizer).exists())
         except (OSError, ValueError) as err:
@@ -221,6 +230,8 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     if model.startswith("tiny:"):
         return None
     local = Path(model).exists()
+    if local and not has_tokenizer_files(Path(model)):
+        return None  # transformers would build an empty tokenizer from the config alone
     try:
         return AutoTokenizer.from_pretrained(model, local_files_only=local)
     except (OSError, ValueError, TypeError) as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -84,6 +85,28 @@ def _read_json(path: Path, source: str) -> list:
     return records
 
 
+def _read_csv(path: Path, source: str) -> list[dict]:
+    """Rows of a CSV/TSV file with a header line; every value is read as a string."""
+    try:
+        with path.open(newline="") as f:
+            return list(csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ","))
+    except (csv.Error, UnicodeDecodeError) as err:
+        raise DataError(f"{source}: cannot read as {path.suffix[1:].upper()} ({err}).") from err
+
+
+def _read_parquet(path: Path, source: str) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise DataError(
+            f"{source}: reading Parquet needs pyarrow: `pip install moe-attrib[datasets]` (or convert to JSONL)."
+        ) from err
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as err:  # any reader failure is this file's fault
+        raise DataError(f"{source}: cannot read as Parquet ({type(err).__name__}: {err}).") from err
+
+
 def _read_records(source: str, text_field: str, split: str | None = None) -> list[dict]:
     path = Path(source)
     if path.is_dir():
@@ -92,15 +115,10 @@ def _read_records(source: str, text_field: str, split: str | None = None) -> lis
     if path.is_file():
         if path.suffix in (".jsonl", ".json"):
             records = _read_json(path, source)
-        elif path.suffix in (".csv", ".tsv", ".parquet"):
-            datasets = _import_datasets(source, f"reading a {path.suffix} file")
-            kind = "parquet" if path.suffix == ".parquet" else "csv"
-            extra = {"delimiter": "\t"} if path.suffix == ".tsv" else {}
-            try:
-                ds = datasets.load_dataset(kind, data_files=str(path), split="train", **extra)
-            except Exception as err:  # noqa: BLE001 - any reader failure is this file's fault
-                raise DataError(f"{source}: cannot read as {kind} ({type(err).__name__}: {err}).") from err
-            records = [dict(r) for r in ds]
+        elif path.suffix in (".csv", ".tsv"):
+            records = _read_csv(path, source)
+        elif path.suffix == ".parquet":
+            records = _read_parquet(path, source)
         else:
             return [{text_field: line.rstrip("\n")} for line in path.open() if line.strip()]
         for i, rec in enumerate(records):
@@ -114,7 +132,7 @@ def _read_records(source: str, text_field: str, split: str | None = None) -> lis
     datasets = _import_datasets(source, "a hub dataset")
     try:
         ds = datasets.load_dataset(source, split=split or "train")
-    except Exception as err:  # noqa: BLE001 - network, missing dataset, missing split
+    except Exception as err:  # network, missing dataset, missing split
         raise DataError(f"{source}: not a local file, and the hub dataset cannot be loaded ({err}).") from err
     return [dict(r) for r in ds]
 
@@ -166,9 +184,11 @@ def load_examples(
     truncate: bool = False,
     split: str | None = None,
 ) -> list[Example]:
-    """Read and tokenize a dataset: JSONL, plain text (one example per line), a `datasets`
-    directory or a hub name. A pretokenized `input_ids` column is used as is; a record with
-    `prompt` and `completion` fields is attributed through the completion's tokens only."""
+    """Read and tokenize a dataset: JSONL, a `.json` array of objects, CSV/TSV (header line),
+    Parquet, plain text (one example per line), a `datasets` directory or a hub name (`org/name`;
+    `split` picks the split of the last two, default train). A pretokenized `input_ids` column
+    is used as is; a record with `prompt` and `completion` fields is attributed through the
+    completion's tokens only. A text field that is not a string is an error naming the row."""
     records = _read_records(source, text_field, split)
     if not records:
         raise DataError(f"{source}: the dataset is empty; nothing to attribute.")
