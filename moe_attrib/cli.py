@@ -248,8 +248,10 @@ def check_collection_args(args: argparse.Namespace) -> None:
     """Everything about a `build`/`ekfac` command line that can be checked before loading anything."""
     check_model_spec(args.model)
     check_device(args.device)
-    if getattr(args, "optimizer_state", None) and not Path(args.optimizer_state).exists():
-        raise UsageError(f"--optimizer_state {args.optimizer_state}: no such file or directory.")
+    if getattr(args, "optimizer_state", None):
+        if not Path(args.optimizer_state).exists():
+            raise UsageError(f"--optimizer_state {args.optimizer_state}: no such file or directory.")
+        args.optimizer_state = str(Path(args.optimizer_state).resolve())  # score re-reads it from anywhere
 
 
 def load_inputs(args: argparse.Namespace, dist):
@@ -353,6 +355,10 @@ def index_projection(args: argparse.Namespace):
         args.projection_dim = st["projection_dim"]
     if args.seed is None:
         args.seed = st["seed"]
+    if args.precision == "auto":  # the index's weights fingerprint is of the model in the index's dtype
+        args.precision = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(
+            st.get("dtype"), "auto"
+        )
     if (args.projection_dim, args.seed) != (st["projection_dim"], st["seed"]):
         raise UsageError(
             f"--projection_dim {args.projection_dim} --seed {args.seed} differ from the index {args.index} "
@@ -405,7 +411,11 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
         return 2
     if dist.is_main:
         settings = data_settings(args, tokenizer)
-        settings.update(model=model_name(args.model), data_fingerprint=fingerprint(examples))
+        settings.update(
+            model=model_name(args.model),
+            data_fingerprint=fingerprint(examples),
+            dtype=str(next(model.parameters()).dtype),
+        )
         result.settings.update(settings)
         result.save(args.out)
         print(f"EK-FAC factors written to {args.out}")

@@ -68,10 +68,16 @@ def check_model(settings: dict, model: nn.Module | None = None, tokenizer=None, 
     if model is not None and settings.get("model_fingerprint"):
         now = model_fingerprint(model)
         if now != settings["model_fingerprint"]:
+            dtype = str(next(model.parameters()).dtype)
+            hint = (
+                f"; {what} was made in {settings['dtype']}, this model is loaded in {dtype}: load it the same way"
+                if settings.get("dtype") and settings["dtype"] != dtype
+                else ""
+            )
             problems.append(
                 f"the model's weights differ from those {what} was made with "
                 f"(weights fingerprint {now[:12]} vs {settings['model_fingerprint'][:12]}, "
-                f"made from {settings.get('model')!r})"
+                f"made from {settings.get('model')!r}{hint})"
             )
     if tokenizer is not None and settings.get("tokenizer_fingerprint"):
         now = tokenizer_fingerprint(tokenizer)
@@ -89,7 +95,8 @@ def check_settings_match(a: dict, b: dict, *, a_name: str, b_name: str) -> None:
     different weights or tokenizers; fingerprints missing on either side are not compared."""
     for key, label in (("model_fingerprint", "model weights"), ("tokenizer_fingerprint", "tokenizer")):
         if a.get(key) and b.get(key) and a[key] != b[key]:
+            dtypes = f", dtype {b['dtype']} vs {a['dtype']}" if a.get("dtype") != b.get("dtype", a.get("dtype")) else ""
             raise FingerprintError(
-                f"{b_name} was made with other {label} than {a_name} ({key} {b[key][:12]} vs {a[key][:12]}); "
+                f"{b_name} was made with other {label} than {a_name} ({key} {b[key][:12]} vs {a[key][:12]}{dtypes}); "
                 f"fit them with the model {a_name} was made from ({a.get('model')!r})."
             )

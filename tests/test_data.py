@@ -11,7 +11,7 @@ from moe_attrib.data import DataError, collate, labels_for, load_examples
 from moe_attrib.index import load_index
 from moe_attrib.zoo import save_tiny, train_tokenizer
 from tests.test_build import CORPUS, texts
-from tests.test_integrity import cli, fails, ok
+from tests.test_integrity import cli, fails, inproc, ok
 
 ROWS = [{"text": t} for t in texts()[:5]]
 
@@ -62,7 +62,7 @@ def test_datasets_directory_with_split(model_dir, tmp_path):
     ok(cli(*args, "--index", tmp_path / "val", "--split", "validation"))
     assert load_index(tmp_path / "val").manifest["examples"] == 3
     assert load_index(tmp_path / "val").manifest["settings"]["split"] == "validation"
-    fails(cli(*args, "--index", tmp_path / "nope", "--split", "test"), "no split 'test'", "validation")
+    fails(inproc(*args, "--index", tmp_path / "nope", "--split", "test"), "no split 'test'", "validation")
     assert not (tmp_path / "nope").exists() and not (tmp_path / "nope.part").exists()
 
 
@@ -72,7 +72,7 @@ def test_text_that_is_not_a_string_names_the_row(model_dir, tmp_path, tok):
         path.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"text": value}) + "\n")
         with pytest.raises(DataError, match=f"{kind}.jsonl: row 1 field 'text' is {kind}"):
             load_examples(str(path), tok)
-    res = cli("build", model_dir, tmp_path / "NoneType.jsonl", "--index", tmp_path / "idx", "--quiet")
+    res = inproc("build", model_dir, tmp_path / "NoneType.jsonl", "--index", tmp_path / "idx", "--quiet")
     fails(res, "row 1 field 'text' is NoneType")
     assert not (tmp_path / "idx").exists() and not (tmp_path / "idx.part").exists()
 
@@ -80,7 +80,7 @@ def test_text_that_is_not_a_string_names_the_row(model_dir, tmp_path, tok):
 def test_out_of_vocabulary_ids_name_the_row(model_dir, tmp_path):
     data = tmp_path / "ids.jsonl"
     data.write_text(json.dumps({"input_ids": [3, 4, 5]}) + "\n" + json.dumps({"input_ids": [3, 99999, 5]}) + "\n")
-    res = cli("build", model_dir, data, "--index", tmp_path / "idx", "--quiet", "--projection_dim", 4)
+    res = inproc("build", model_dir, data, "--index", tmp_path / "idx", "--quiet", "--projection_dim", 4)
     fails(res, "ids.jsonl: row 1 has token id 99999, outside the model's vocabulary")
     assert not (tmp_path / "idx").exists() and not (tmp_path / "idx.part").exists()
 
@@ -92,9 +92,9 @@ def test_tokenizer_flag_for_a_model_directory_without_one(model_dir, tmp_path):
         if not f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, bare / f.name)
     args = ["build", bare, CORPUS, "--quiet", "--projection_dim", 4, "--track_moe_experts", "--precision", "fp32"]
-    fails(cli(*args, "--index", tmp_path / "no"), "row 0 has text but there is no tokenizer", "--tokenizer")
+    fails(inproc(*args, "--index", tmp_path / "no"), "row 0 has text but there is no tokenizer", "--tokenizer")
     assert not (tmp_path / "no").exists() and not (tmp_path / "no.part").exists()
-    fails(cli(*args, "--index", tmp_path / "no", "--tokenizer", tmp_path / "nothere"), "--tokenizer", "no such")
+    fails(inproc(*args, "--index", tmp_path / "no", "--tokenizer", tmp_path / "nothere"), "--tokenizer", "no such")
     ok(cli(*args, "--index", tmp_path / "idx", "--tokenizer", model_dir))
     queries = tmp_path / "q.jsonl"
     queries.write_text(json.dumps({"text": texts()[2]}) + "\n")

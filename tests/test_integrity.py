@@ -3,6 +3,8 @@
 Each test runs the CLI as a user would and checks the exit code, the message and what is on disk.
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -38,6 +40,24 @@ def cli(*args, cwd=None, env=None, timeout=300):
         cwd=cwd,
         env={**ENV, **(env or {})},
     )
+
+
+def inproc(*args, env=None, monkeypatch=None):
+    """`moe-attrib ARGS` in this process: the same parsing, checks, messages and exit code as the
+    command, without paying a fresh interpreter for checks that stop before any work."""
+    from moe_attrib.cli import main
+
+    err = io.StringIO()
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as exit_:
+            rc = exit_.code if isinstance(exit_.code, int) else 1
+            if not isinstance(exit_.code, int):
+                print(exit_.code, file=sys.stderr)
+    return subprocess.CompletedProcess(args, rc, "", err.getvalue())
 
 
 def ok(res):
@@ -206,21 +226,23 @@ def test_nothing_is_overwritten_that_the_tool_did_not_write(env, tmp_path):
 def test_arguments_are_validated_before_any_work(env, tmp_path):
     build = ["build", env / "model", env / "train.jsonl", "--index", tmp_path / "idx", "--quiet"]
     for bad in ("0", "-3", "x"):
-        fails(cli(*build, "--projection_dim", bad), "--projection_dim", "must be a positive integer")
-    fails(cli(*build, "--token_batch_size", "0"), "--token_batch_size", "positive integer")
+        fails(inproc(*build, "--projection_dim", bad), "--projection_dim", "must be a positive integer")
+    fails(inproc(*build, "--token_batch_size", "0"), "--token_batch_size", "positive integer")
     score = ["score", "--index", env / "idx", env / "model", env / "q.jsonl"]
-    fails(cli(*score, "--top_k", "0", "--out", tmp_path / "s.jsonl"), "--top_k", "positive integer")
-    fails(cli(*score, "--out", tmp_path / "no" / "such" / "s.jsonl"), "--out", "no such directory")
-    fails(cli(*score, "--out", tmp_path), "--out", "is a directory")
+    fails(inproc(*score, "--top_k", "0", "--out", tmp_path / "s.jsonl"), "--top_k", "positive integer")
+    fails(inproc(*score, "--out", tmp_path / "no" / "such" / "s.jsonl"), "--out", "no such directory")
+    fails(inproc(*score, "--out", tmp_path), "--out", "is a directory")
     ekfac = ["ekfac", env / "model", env / "train.jsonl", "--quiet"]
-    fails(cli(*ekfac, "--out", tmp_path / "ek", "--damping", "-1"), "--damping", "must be a number >= 0")
+    fails(inproc(*ekfac, "--out", tmp_path / "ek", "--damping", "-1"), "--damping", "must be a number >= 0")
     (tmp_path / "afile").write_text("")
-    fails(cli(*ekfac, "--out", tmp_path / "afile" / "ek"), "--out", "cannot create it")
-    fails(cli(*ekfac, "--out", tmp_path / "ek", "--index", env / "idx", "--projection_dim", 8), "differ from the index")
+    fails(inproc(*ekfac, "--out", tmp_path / "afile" / "ek"), "--out", "cannot create it")
+    fails(
+        inproc(*ekfac, "--out", tmp_path / "ek", "--index", env / "idx", "--projection_dim", 8), "differ from the index"
+    )
     if not torch.cuda.is_available():
-        fails(cli(*build, "--device", "cuda"), "--device cuda", "no CUDA device")
-        fails(cli(*ekfac, "--out", tmp_path / "ek", "--device", "cuda:0"), "no CUDA device")
-    fails(cli(*build, "--device", "gpu7"), "--device 'gpu7'", "not a device")
+        fails(inproc(*build, "--device", "cuda"), "--device cuda", "no CUDA device")
+        fails(inproc(*ekfac, "--out", tmp_path / "ek", "--device", "cuda:0"), "no CUDA device")
+    fails(inproc(*build, "--device", "gpu7"), "--device 'gpu7'", "not a device")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no idx, idx.part, ek, s.jsonl
 
 
@@ -229,25 +251,26 @@ def test_a_setup_error_leaves_no_part_directory(env, tmp_path):
     junk = tmp_path / "optimizer.pt"
     junk.write_bytes(b"not a torch file")
     args = [env / "train.jsonl", "--index", index, "--projection_dim", 4, "--quiet", "--precision", "fp32"]
-    res = cli("build", env / "model", *args, "--track_moe_experts", "--optimizer_state", junk)
+    res = inproc("build", env / "model", *args, "--track_moe_experts", "--optimizer_state", junk)
     assert res.returncode == 2 and "optimizer" in res.stderr.lower(), res.stderr[-2000:]
-    fails(cli("build", env / "model", *args, "--filter_modules", "nothing.matches.*"), "matched nothing")
-    fails(cli("build", "tiny:no_such_family", *args), "unknown tiny family")
-    fails(cli("build", env / "model", *args, "--optimizer_state", tmp_path / "missing.pt"), "no such file")
+    fails(inproc("build", env / "model", *args, "--filter_modules", "nothing.matches.*"), "matched nothing")
+    fails(inproc("build", "tiny:no_such_family", *args), "unknown tiny family")
+    fails(inproc("build", env / "model", *args, "--optimizer_state", tmp_path / "missing.pt"), "no such file")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt"]
 
 
-def test_mistyped_paths_say_so_and_the_hub_is_asked_only_for_hub_ids(env, tmp_path):
+def test_mistyped_paths_say_so_and_the_hub_is_asked_only_for_hub_ids(env, tmp_path, monkeypatch):
     offline = {"HF_HUB_OFFLINE": "1"}
     index = ["--index", tmp_path / "idx", "--quiet"]
-    fails(cli("build", tmp_path / "modle", env / "train.jsonl", *index), "no such model directory")
+    fails(inproc("build", tmp_path / "modle", env / "train.jsonl", *index), "no such model directory")
     fails(cli("build", "modle", env / "train.jsonl", *index, cwd=env), "modle: no such model directory")
-    res = cli("inspect", tmp_path / "no" / "model")
+    res = inproc("inspect", tmp_path / "no" / "model")
     assert res.returncode != 0 and "no such model directory" in res.stderr
-    fails(cli("score", "--index", env / "idx", "typo/model/dir", env / "q.jsonl", "--out", tmp_path / "s.jsonl"),
+    fails(inproc("score", "--index", env / "idx", "typo/model/dir", env / "q.jsonl", "--out", tmp_path / "s.jsonl"),
           "no such model directory")  # fmt: skip
-    fails(cli("build", env / "model", tmp_path / "trian.jsonl", *index), "trian.jsonl: no such file or directory")
-    fails(cli("build", env / "model", "someorg/somedata", *index, env=offline), "HF_HUB_OFFLINE")
+    fails(inproc("build", env / "model", tmp_path / "trian.jsonl", *index), "trian.jsonl: no such file or directory")
+    fails(inproc("build", env / "model", "someorg/somedata", *index, env=offline, monkeypatch=monkeypatch),
+          "HF_HUB_OFFLINE")  # fmt: skip
     start = time.perf_counter()
     res = cli("build", "someorg/somemodel", env / "train.jsonl", *index, env=offline)
     assert res.returncode != 0 and "cannot load model" in res.stderr and time.perf_counter() - start < 60
