@@ -192,7 +192,7 @@ def test_a_nan_row_never_ranks_first_and_scores_are_strict_json(env, tmp_path):
     assert all(h["score"] is not None for h in hits[:-1])
 
 
-def test_nothing_is_overwritten_that_the_tool_did_not_write(env, tmp_path):
+def test_nothing_is_overwritten_that_the_tool_did_not_write(env, tmp_path, monkeypatch):
     base = ["--track_moe_experts", "--projection_dim", 4, "--quiet", "--precision", "fp32"]
     target = tmp_path / "idx"
     target.mkdir()
@@ -218,8 +218,9 @@ def test_nothing_is_overwritten_that_the_tool_did_not_write(env, tmp_path):
 
     (tmp_path / "cwd" / "index").mkdir(parents=True)
     (tmp_path / "cwd" / "index" / "keep.txt").write_text("mine")
-    fails(cli("demo", "--out", ".", "--quiet", cwd=tmp_path / "cwd"), "not empty", "--overwrite")
-    fails(cli("demo", "--out", ".", "--quiet", "--overwrite", cwd=tmp_path / "cwd"), "did not write")
+    monkeypatch.chdir(tmp_path / "cwd")
+    fails(inproc("demo", "--out", ".", "--quiet"), "not empty", "--overwrite")
+    fails(inproc("demo", "--out", ".", "--quiet", "--overwrite"), "did not write")
     assert sorted(p.name for p in (tmp_path / "cwd").rglob("*")) == ["index", "keep.txt"]
 
 
