@@ -318,7 +318,7 @@ def test_ctrl_c_prints_the_resume_command_and_resume_compares_resolved_paths(env
         try:
             if done.exists() and int(np.load(done, mmap_mode="r").sum()) >= 3:
                 break
-        except (ValueError, OSError):
+        except (ValueError, OSError, EOFError):  # the file is being created
             pass
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
