@@ -21,4 +21,4 @@ test: lint
 	$(BIN)/python -m pytest -q
 
 demo: setup
-	$(BIN)/moe-attrib demo --out moe-attrib-demo
+	$(BIN)/moe-attrib demo --out moe-attrib-demo --overwrite

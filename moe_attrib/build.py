@@ -14,7 +14,12 @@ from moe_attrib.collector import GradientCollector
 from moe_attrib.data import Example, collate, fingerprint, labels_for, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist
-from moe_attrib.index import FORMAT_VERSION, IndexWriter, column_plan, flatten_batch
+from moe_attrib.fingerprint import model_fingerprint
+from moe_attrib.index import FORMAT_VERSION, IndexWriter, column_plan, flatten_batch, part_dir
+
+
+class NonFiniteGradientError(ValueError):
+    """An example whose loss or gradient is NaN/inf: it would poison every score it touches."""
 
 
 def make_collector(model: nn.Module, report, projection_dim: int, seed: int, optimizer_state: str | None):
@@ -42,6 +47,7 @@ def build_index(
     attribute_tokens: bool = False,
     optimizer_state: str | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     pad_id: int = 0,
     extra_settings: dict | None = None,
     dist: Dist | None = None,
@@ -56,10 +62,16 @@ def build_index(
     gradient; rows of example i are `token_offsets[i]:token_offsets[i + 1]`). `optimizer_state`
     (a torch optimizer state file or HF Trainer checkpoint) normalises gradients by the
     optimizer's second moments (see `moe_attrib.normalizers`).
+
+    The manifest records the model's weights fingerprint (`moe_attrib.fingerprint`), taken here
+    before any expansion. An example with a non-finite loss or gradient stops the build with a
+    `NonFiniteGradientError` naming it. `overwrite=True` replaces an existing index at `index`
+    (only its files); any other non-empty directory there is refused.
     """
     from moe_attrib.version import __version__
 
     dist = dist or Dist(0, 1, next(model.parameters()).device)
+    weights = model_fingerprint(model)
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
     if track_moe_experts and not report.experts and dist.is_main:
         warnings.warn(
@@ -75,6 +87,7 @@ def build_index(
     width = max((lay.num_experts for lay in report.experts), default=0) if track_moe_experts else 0
     settings = {
         "model": model_name,
+        "model_fingerprint": weights,
         "data_fingerprint": fingerprint(examples),
         "rows": len(examples),
         "projection_dim": projection_dim,
@@ -113,8 +126,9 @@ def build_index(
         num_batches=len(batches),
         examples=len(examples),
     )
+    collector = make_collector(model, report, projection_dim, seed, optimizer_state)  # setup errors: no DIR.part
     if dist.is_main:
-        writer = IndexWriter(index, manifest, resume=resume, token_offsets=offsets, **shape)
+        writer = IndexWriter(index, manifest, resume=resume, token_offsets=offsets, overwrite=overwrite, **shape)
     dist.barrier()
     if not dist.is_main:
         writer = IndexWriter(index, manifest, create=False, **shape)
@@ -123,7 +137,7 @@ def build_index(
     tokens = sum(len(examples[i].input_ids) for b in mine for i in batches[b])
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc=f"build rank {dist.rank}", disable=not progress)
     start = time.perf_counter()
-    with make_collector(model, report, projection_dim, seed, optimizer_state) as collector:
+    with collector:
         for b in mine:
             ids, mask = collate(examples, batches[b], pad_id)
             out = collector.collect(
@@ -136,6 +150,7 @@ def build_index(
             )
             grads = flatten_batch(out, report, blocks, expert_blocks, per_token=attribute_tokens)
             members = np.asarray(batches[b])
+            check_finite(grads, out.losses.float().cpu().numpy(), [examples[i].index for i in members], index)
             if attribute_tokens:
                 rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members])
                 grads = np.concatenate([grads[n, : lengths[i]] for n, i in enumerate(members)])
@@ -152,3 +167,16 @@ def build_index(
         final = writer.finish()
     dist.barrier()
     return final
+
+
+def check_finite(grads: np.ndarray, losses: np.ndarray, example_ids: list[int], index: str | Path) -> None:
+    """Raise `NonFiniteGradientError` naming the examples whose loss or gradient row is NaN/inf."""
+    finite = np.isfinite(grads.reshape(len(example_ids), -1)).all(axis=1) & np.isfinite(losses)
+    if finite.all():
+        return
+    bad = [example_ids[n] for n in np.flatnonzero(~finite)]
+    raise NonFiniteGradientError(
+        f"example(s) {bad[:10]} (row numbers of the data) have a non-finite loss or gradient (NaN/inf), which "
+        "would rank first or poison scores. Drop those rows or load the model in --precision fp32, then delete "
+        f"{part_dir(index)} and build again."
+    )

@@ -3,10 +3,145 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
+import shlex
 import sys
 import warnings
+from pathlib import Path
 
 import torch
+
+from moe_attrib.data import hub_offline, looks_like_hub_id
+
+
+class UsageError(ValueError):
+    """A command line that cannot work as given; found before any directory is created or compute starts."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def check_device(spec: str | None, flag: str = "--device") -> None:
+    """A device string that this machine has (a CUDA device index that exists)."""
+    if spec is None:
+        return
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError) as err:
+        raise UsageError(f"{flag} {spec!r}: not a device ({err}); use cpu, cuda or cuda:N.") from err
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"{flag} {spec}: no CUDA device is available here; use --device cpu.")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"{flag} {spec}: this machine has {torch.cuda.device_count()} CUDA device(s).")
+    elif dev.type not in ("cpu", "mps", "xpu"):
+        raise UsageError(f"{flag} {spec}: unsupported device type {dev.type!r}; use cpu or cuda.")
+
+
+def check_model_spec(spec: str) -> None:
+    """`tiny:<family>`, an existing model directory, or a hub id (`org/name`); anything else is a
+    mistyped path and says so instead of asking the hub."""
+    if spec.startswith("tiny:"):
+        from moe_attrib.zoo import FAMILY_OVERRIDES
+
+        if spec[5:] not in FAMILY_OVERRIDES:
+            raise UsageError(f"{spec}: unknown tiny family; known: {', '.join(sorted(FAMILY_OVERRIDES))}.")
+        return
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise UsageError(f"{spec}: not a save_pretrained model directory (no config.json in it).")
+        return
+    if path.exists():
+        raise UsageError(f"{spec}: is a file; MODEL must be a save_pretrained model directory or a hub id.")
+    if not looks_like_hub_id(spec):
+        raise UsageError(f"{spec}: no such model directory.")
+
+
+def check_out_dir(path: str, overwrite: bool, flag: str) -> None:
+    """An output directory is absent, empty, or (with --overwrite) replaced file by file; its parent is writable."""
+    out = Path(path)
+    if out.exists():
+        if not out.is_dir():
+            raise UsageError(f"{flag} {path}: is a file, not a directory.")
+        if any(out.iterdir()) and not overwrite:
+            raise UsageError(
+                f"{flag} {path}: the directory is not empty; pass --overwrite to replace the files moe-attrib "
+                "writes there (nothing else is touched), or choose another directory."
+            )
+        if not os.access(out, os.W_OK):
+            raise UsageError(f"{flag} {path}: the directory is not writable.")
+        return
+    check_parent_writable(out, flag)
+
+
+def check_parent_writable(path: Path, flag: str) -> None:
+    parent = path.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag} {path}: cannot create it ({parent} is not a writable directory).")
+
+
+def check_out_file(path: str, flag: str = "--out") -> None:
+    out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name.")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise UsageError(f"{flag} {path}: the file is not writable.")
+    if not out.parent.resolve().is_dir():
+        raise UsageError(f"{flag} {path}: no such directory {out.parent}.")
+    check_parent_writable(out, flag)
+
+
+@contextlib.contextmanager
+def notes():
+    """moe-attrib's own warnings (coverage, dense model) print at once as one `NOTE:` line each,
+    so they come before the work they are about; other warnings follow the usual filters."""
+    shown = set()
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "moe-attrib" not in text:
+            return previous(message, category, filename, lineno, file, line)
+        if text not in shown:
+            shown.add(text)
+            print(f"NOTE: {text}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", message=".*moe-attrib")
+        warnings.showwarning = show
+        yield
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
@@ -19,17 +154,29 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
 def load_model(spec: str, dtype: str | torch.dtype = "fp32") -> torch.nn.Module:
     """`tiny:<family>` (a bundled tiny random model), a local `save_pretrained` directory or a hub id."""
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_precision(dtype, torch.device("cpu"))
+    try:
+        check_model_spec(spec)
+    except UsageError as err:
+        raise SystemExit(f"moe-attrib: cannot load model: {err}") from err
     if spec.startswith("tiny:"):
         from moe_attrib.zoo import tiny_model
 
         return tiny_model(spec.split(":", 1)[1], dtype=torch_dtype)
     from transformers import AutoModelForCausalLM
 
+    local = Path(spec).is_dir()
     try:
-        return AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype).eval()
-    except OSError as err:
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype, local_files_only=local).eval()
+    except (OSError, ValueError) as err:
+        where = (
+            "the local directory"
+            if local
+            else "the hub id (offline: HF_HUB_OFFLINE is set)"
+            if hub_offline()
+            else "the hub id"
+        )
         raise SystemExit(
-            f"moe-attrib: cannot load model {spec!r}: {err}\n"
+            f"moe-attrib: cannot load model {spec!r} from {where}: {err}\n"
             "Give a local save_pretrained directory, a hub id (with network access), or tiny:<family>."
         ) from err
 
@@ -59,25 +206,88 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_tokenizer(spec: str):
-    if spec.startswith("tiny:"):
-        return None
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def has_tokenizer_files(directory: Path) -> bool:
+    return any((directory / name).exists() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(model: str, tokenizer: str | None = None):
+    """The tokenizer of `--tokenizer` (which must load) or of the model directory (None when it has
+    none: pretokenized data still works and text data is an error naming the row)."""
     from transformers import AutoTokenizer
 
+    if tokenizer is not None:
+        if not Path(tokenizer).exists() and not looks_like_hub_id(tokenizer):
+            raise UsageError(f"--tokenizer {tokenizer}: no such directory.")
+        if Path(tokenizer).is_dir() and not has_tokenizer_files(Path(tokenizer)):
+            raise UsageError(f"--tokenizer {tokenizer}: no tokenizer files in it ({', '.join(TOKENIZER_FILES)}).")
+        try:
+            return AutoTokenizer.from_pretrained(tokenizer, local_files_only=Path(tokenizer).exists())
+        except (OSError, ValueError) as err:
+            raise UsageError(f"--tokenizer {tokenizer}: cannot load a tokenizer from it ({err}).") from err
+    if model.startswith("tiny:"):
+        return None
+    local = Path(model).exists()
+    if local and not has_tokenizer_files(Path(model)):
+        return None  # transformers would build an empty tokenizer from the config alone
     try:
-        return AutoTokenizer.from_pretrained(spec)
-    except (OSError, ValueError):
-        return None  # pretokenized data still works; text data raises a DataError naming the row
+        return AutoTokenizer.from_pretrained(model, local_files_only=local)
+    except (OSError, ValueError, TypeError) as err:
+        if local:
+            return None
+        offline = " (HF_HUB_OFFLINE is set)" if hub_offline() else ""
+        raise UsageError(
+            f"cannot load model {model!r}: its tokenizer cannot be fetched from the hub{offline} ({err}); "
+            "give a local model directory, or --tokenizer DIR."
+        ) from err
+
+
+def check_collection_args(args: argparse.Namespace) -> None:
+    """Everything about a `build`/`ekfac` command line that can be checked before loading anything."""
+    check_model_spec(args.model)
+    check_device(args.device)
+    if getattr(args, "optimizer_state", None):
+        if not Path(args.optimizer_state).exists():
+            raise UsageError(f"--optimizer_state {args.optimizer_state}: no such file or directory.")
+        args.optimizer_state = str(Path(args.optimizer_state).resolve())  # score re-reads it from anywhere
 
 
 def load_inputs(args: argparse.Namespace, dist):
     """Tokenizer, examples and model (on the rank's device) for `build` and `ekfac`."""
-    from moe_attrib.data import load_examples
+    from moe_attrib.data import check_token_ids, load_examples
 
-    tokenizer = load_tokenizer(args.model)
-    examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate)
+    tokenizer = load_tokenizer(args.model, args.tokenizer)
+    examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate, args.split)
     model = load_model(args.model, resolve_precision(args.precision, dist.device)).to(dist.device)
+    check_token_ids(examples, model.get_input_embeddings().num_embeddings, args.data)
     return tokenizer, examples, model, getattr(tokenizer, "pad_token_id", None) or 0
+
+
+def data_settings(args: argparse.Namespace, tokenizer) -> dict:
+    """What an index / factors record so that the data can be read again exactly, from any directory."""
+    from moe_attrib.data import source_path
+    from moe_attrib.fingerprint import tokenizer_fingerprint
+
+    return {
+        "data": source_path(str(args.data)),
+        "text_field": args.text_field,
+        "split": args.split,
+        "tokenizer": source_path(args.tokenizer) if args.tokenizer else None,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "max_length": args.max_length,
+        "truncate": args.truncate,
+    }
+
+
+def model_name(spec: str) -> str:
+    return str(Path(spec).resolve()) if Path(spec).exists() else spec
+
+
+def resume_command(argv: list[str]) -> str:
+    argv = list(argv) + ([] if "--resume" in argv else ["--resume"])
+    return "moe-attrib " + shlex.join(argv)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -85,18 +295,25 @@ def cmd_build(args: argparse.Namespace) -> int:
     from moe_attrib.data import DataError
     from moe_attrib.distributed import setup
     from moe_attrib.experts import LayoutError
-    from moe_attrib.index import IndexFileError
+    from moe_attrib.index import IndexFileError, check_index_target, part_dir
 
+    try:
+        check_collection_args(args)
+        if not args.resume:
+            check_index_target(args.index, args.overwrite)
+        check_parent_writable(Path(args.index), "--index")
+    except (UsageError, IndexFileError) as err:
+        print(f"moe-attrib build: error: {err}", file=sys.stderr)
+        return 2
     dist = setup(args.device)
     try:
-        _, examples, model, pad = load_inputs(args, dist)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with notes():
+            tokenizer, examples, model, pad = load_inputs(args, dist)
             path = build_index(
                 model,
                 examples,
                 args.index,
-                model_name=args.model,
+                model_name=model_name(args.model),
                 track_moe_experts=args.track_moe_experts,
                 projection_dim=projection(args),
                 seed=args.seed,
@@ -106,15 +323,19 @@ def cmd_build(args: argparse.Namespace) -> int:
                 attribute_tokens=args.attribute_tokens,
                 optimizer_state=args.optimizer_state,
                 resume=args.resume,
+                overwrite=args.overwrite,
                 pad_id=pad,
-                extra_settings={"data": str(args.data), "max_length": args.max_length, "truncate": args.truncate},
+                extra_settings=data_settings(args, tokenizer),
                 dist=dist,
                 progress=not args.quiet,
             )
-        for w in caught:
-            if dist.is_main and issubclass(w.category, UserWarning) and "moe-attrib" in str(w.message):
-                print(f"NOTE: {w.message}", file=sys.stderr)
-    except (DataError, IndexFileError, LayoutError, ValueError) as err:  # OptimizerStateError is a ValueError
+    except KeyboardInterrupt:
+        if part_dir(args.index).exists():
+            print(f"\ninterrupted; continue with: {resume_command(args.argv)}", file=sys.stderr)
+        else:
+            print("\ninterrupted before anything was written; run the command again.", file=sys.stderr)
+        return 130
+    except (DataError, IndexFileError, LayoutError, UsageError, ValueError) as err:  # OptimizerStateError too
         print(f"moe-attrib build: error: {err}", file=sys.stderr)
         return 2
     if dist.is_main:
@@ -122,59 +343,170 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def index_projection(args: argparse.Namespace):
+    """`ekfac --index DIR`: the index whose projection settings the factors must share (or None)."""
+    if not args.index:
+        return None
+    from moe_attrib.index import load_index
+
+    index = load_index(args.index)
+    st = index.manifest["settings"]
+    if args.projection_dim is None and not args.no_projection:
+        args.projection_dim = st["projection_dim"]
+        args.no_projection = st["projection_dim"] is None
+    if args.seed is None:
+        args.seed = st["seed"]
+    if args.precision == "auto":  # the index's weights fingerprint is of the model in the index's dtype
+        args.precision = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(
+            st.get("dtype"), "auto"
+        )
+    if (projection(args), args.seed) != (st["projection_dim"], st["seed"]):
+        raise UsageError(
+            f"--projection_dim {args.projection_dim} --seed {args.seed} differ from the index {args.index} "
+            f"(projection_dim {st['projection_dim']}, seed {st['seed']}); leave them out to use the index's."
+        )
+    return index
+
+
 def cmd_ekfac(args: argparse.Namespace) -> int:
-    from moe_attrib.data import DataError
+    from moe_attrib.data import DataError, fingerprint
     from moe_attrib.distributed import setup
     from moe_attrib.ekfac import FactorMemoryError, fit_ekfac
     from moe_attrib.experts import LayoutError
+    from moe_attrib.fingerprint import FingerprintError, check_model
+    from moe_attrib.index import IndexFileError
 
+    try:
+        check_collection_args(args)
+        check_device(args.factor_device, "--factor_device")
+        check_out_dir(args.out, args.overwrite, "--out")
+        index = index_projection(args)
+    except (UsageError, IndexFileError) as err:
+        print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
+        return 2
+    args.seed = 0 if args.seed is None else args.seed
+    if args.projection_dim is None:
+        from moe_attrib.index import DEFAULT_PROJECTION_DIM
+
+        args.projection_dim = DEFAULT_PROJECTION_DIM
     dist = setup(args.device)
     try:
-        _, examples, model, pad = load_inputs(args, dist)
-        fit_ekfac(
-            model,
-            examples,
-            track_moe_experts=args.track_moe_experts,
-            filter_modules=args.filter_modules,
-            projection_dim=projection(args),
-            seed=args.seed,
-            damping=args.damping,
-            damping_scope=args.damping_scope,
-            sampled_labels=not args.empirical_fisher,
-            token_batch_size=args.token_batch_size,
-            pad_id=pad,
-            max_memory_gib=args.max_factor_memory,
-            factor_device=args.factor_device or dist.device,
-            dist=dist,
-            out=args.out,
-            progress=not args.quiet,
-        )
-    except (DataError, LayoutError, FactorMemoryError, ValueError) as err:
+        with notes():
+            tokenizer, examples, model, pad = load_inputs(args, dist)
+            if index is not None:
+                check_model(index.manifest["settings"], model, tokenizer, what=f"index {args.index}")
+            result = fit_ekfac(
+                model,
+                examples,
+                track_moe_experts=args.track_moe_experts,
+                filter_modules=args.filter_modules,
+                projection_dim=projection(args),
+                seed=args.seed,
+                damping=args.damping,
+                damping_scope=args.damping_scope,
+                sampled_labels=not args.empirical_fisher,
+                token_batch_size=args.token_batch_size,
+                pad_id=pad,
+                max_memory_gib=args.max_factor_memory,
+                factor_device=args.factor_device or dist.device,
+                dist=dist,
+                progress=not args.quiet,
+            )
+    except (DataError, LayoutError, FactorMemoryError, FingerprintError, UsageError, ValueError) as err:
         print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
         return 2
     if dist.is_main:
+        settings = data_settings(args, tokenizer)
+        settings.update(
+            model=model_name(args.model),
+            data_fingerprint=fingerprint(examples),
+            dtype=str(next(model.parameters()).dtype),
+        )
+        result.settings.update(settings)
+        result.save(args.out)
         print(f"EK-FAC factors written to {args.out}")
     return 0
 
 
+def check_ekfac_dirs(dirs: list[str], settings: dict, index_path: str) -> None:
+    """Each `--ekfac DIR` is an EK-FAC directory made for this index (model, tokenizer, projection)."""
+    import json
+
+    from moe_attrib.fingerprint import check_settings_match
+
+    for d in dirs:
+        try:
+            info = json.loads((Path(d) / "ekfac.json").read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise UsageError(f"--ekfac {d}: not an EK-FAC directory (no readable ekfac.json: {err}).") from err
+        if (info["projection_dim"], info["seed"]) != (settings["projection_dim"], settings["seed"]):
+            raise UsageError(
+                f"--ekfac {d}: fitted with projection_dim={info['projection_dim']}, seed={info['seed']} but the index "
+                f"{index_path} uses projection_dim={settings['projection_dim']}, seed={settings['seed']}; refit with "
+                f"`moe-attrib ekfac ... --index {index_path}`."
+            )
+        check_settings_match(settings, info.get("settings", {}), a_name=f"index {index_path}", b_name=f"--ekfac {d}")
+
+
+def training_examples(settings: dict, tokenizer, text_field: str) -> list:
+    """The index's training examples (texts, record fields), read again from the recorded data; an
+    error when the data no longer tokenize to what the index was built from (texts would land on
+    the wrong rows)."""
+    from moe_attrib.data import DataError, fingerprint, load_examples
+
+    source = settings["data"]
+    try:
+        train = load_examples(
+            source,
+            tokenizer,
+            settings.get("text_field", text_field),
+            settings.get("max_length"),
+            bool(settings.get("truncate")),
+            settings.get("split"),
+        )
+    except DataError as err:
+        raise DataError(
+            f"cannot read the index's training data again for its texts: {err} (or pass --no_texts)."
+        ) from err
+    if fingerprint(train) != settings["data_fingerprint"]:
+        raise DataError(
+            f"the training data {source} changed since the index was built (its token fingerprint differs), so "
+            "texts would be attached to the wrong rows; restore it, or pass --no_texts to score without texts."
+        )
+    return train
+
+
 def cmd_score(args: argparse.Namespace) -> int:
-    from moe_attrib.data import DataError, load_examples
+    from moe_attrib.data import DataError, check_token_ids, load_examples
     from moe_attrib.ekfac import load_ekfac
+    from moe_attrib.fingerprint import FingerprintError, check_model
     from moe_attrib.index import IndexFileError, load_index
     from moe_attrib.results import results_format, write_results
     from moe_attrib.score import ScoreError, query_gradients, score, score_matrix
 
     try:
         results_format(args.out)
+        check_model_spec(args.model)
+        check_device(args.device)
+        check_out_file(args.out)
+        for flag, path in (("--all_scores", args.all_scores), ("--report", args.report)):
+            if path:
+                check_out_file(path, flag)
         index = load_index(args.index)
         settings = index.manifest["settings"]
-        tokenizer = load_tokenizer(args.model)
+        ekfac_dirs = args.ekfac or []
+        check_ekfac_dirs(ekfac_dirs, settings, args.index)
+        tokenizer = load_tokenizer(args.model, args.tokenizer or settings.get("tokenizer"))
+        check_model(settings, None, tokenizer, what=f"index {args.index}")
+        train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
         queries = load_examples(args.queries, tokenizer, args.text_field, settings.get("max_length"), True)
         model = load_model(args.model, getattr(torch, settings["dtype"].removeprefix("torch.")))
+        check_model(settings, model, what=f"index {args.index}")
+        check_token_ids(queries, model.get_input_embeddings().num_embeddings, args.queries)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = model.to(device)
+        ekfac = load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]) if ekfac_dirs else None
         q = query_gradients(model, queries, index, pad_id=getattr(tokenizer, "pad_token_id", None) or 0)
-        ekfac = load_ekfac(args.ekfac if len(args.ekfac) > 1 else args.ekfac[0]) if args.ekfac else None
         if ekfac is not None and (args.damping is not None or args.damping_scope is not None):
             damping = ekfac.settings.get("damping") if args.damping is None else args.damping
             ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
@@ -182,9 +514,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
         if args.all_scores:
             score_matrix(index, q, out=args.all_scores, **opts)
-        train = load_examples(settings["data"], tokenizer, args.text_field, settings.get("max_length"),
-                              bool(settings.get("truncate")))  # fmt: skip
-    except (DataError, IndexFileError, ScoreError, FileNotFoundError, ValueError) as err:
+    except (DataError, IndexFileError, ScoreError, FingerprintError, UsageError, FileNotFoundError, ValueError) as err:
         print(f"moe-attrib score: error: {err}", file=sys.stderr)
         return 2
     from moe_attrib.results import ResultsError
@@ -276,24 +606,33 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from moe_attrib.demo import run_demo
+    from moe_attrib.demo import DemoError, run_demo
 
     warnings.filterwarnings("ignore", message=".*--track_moe_experts.*")
-    run_demo(args.out, steps=args.steps, seed=args.seed, projection_dim=args.projection_dim, progress=not args.quiet)
+    try:
+        run_demo(args.out, steps=args.steps, seed=args.seed, projection_dim=args.projection_dim,
+                 progress=not args.quiet, overwrite=args.overwrite)  # fmt: skip
+    except DemoError as err:
+        print(f"moe-attrib demo: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
 def add_collection_args(parser: argparse.ArgumentParser) -> None:
     """Arguments shared by `build` and `ekfac`: model, data and how they are batched."""
     parser.add_argument("model", help="tiny:<family>, a save_pretrained directory, or a hub id")
-    parser.add_argument("data", help="JSONL / text file (one example per line), a datasets directory, or a hub name")
+    parser.add_argument(
+        "data", help="JSONL / JSON / text / CSV / Parquet file, a datasets directory, or a hub dataset (org/name)"
+    )
     parser.add_argument("--track_moe_experts", action="store_true", help="attribute every expert of fused MoE layers")
     parser.add_argument("--filter_modules", default=None, help="glob over module names, e.g. '*.mlp.*'")
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
-    parser.add_argument("--token_batch_size", type=int, default=8192, help="padded tokens per batch")
-    parser.add_argument("--max_length", type=int, default=None, help="longest example allowed (see --truncate)")
+    parser.add_argument("--token_batch_size", type=positive_int, default=8192, help="padded tokens per batch")
+    parser.add_argument("--max_length", type=positive_int, default=None, help="longest example (see --truncate)")
     parser.add_argument("--truncate", action="store_true", help="cut examples longer than --max_length")
     parser.add_argument("--text_field", default="text")
+    parser.add_argument("--split", default=None, help="split of a datasets directory / hub dataset (default: train)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory, for a model directory without one")
     parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -322,29 +661,39 @@ class _Parser(argparse.ArgumentParser):
         return action
 
 
-def add_projection_args(parser: argparse.ArgumentParser) -> None:
-    """`--projection_dim`/`--no_projection`/`--seed`, shared by `build` and `ekfac` (they must agree)."""
+def add_projection_args(parser: argparse.ArgumentParser, from_index: bool = False) -> None:
+    """`--projection_dim`/`--no_projection`/`--seed`, shared by `build` and `ekfac` (they must agree).
+
+    With `from_index` (ekfac's `--index DIR`) both default to None: the index's, else the defaults."""
     from moe_attrib.index import DEFAULT_PROJECTION_DIM
 
     parser.add_argument(
-        "--projection_dim", type=int, default=DEFAULT_PROJECTION_DIM, help="p: each weight block is p x p"
+        "--projection_dim",
+        type=positive_int,
+        default=None if from_index else DEFAULT_PROJECTION_DIM,
+        help=f"p: each weight block is p x p (default {DEFAULT_PROJECTION_DIM}"
+        + (", or the index's)" if from_index else ")"),
     )
     parser.add_argument("--no_projection", action="store_true", help="exact, unprojected rows (small models)")
-    parser.add_argument("--seed", type=int, default=0, help="projection seed (and EK-FAC label sampling)")
+    parser.add_argument(
+        "--seed", type=int, default=None if from_index else 0, help="projection seed (and EK-FAC label sampling)"
+    )
 
 
-def add_damping_args(parser: argparse.ArgumentParser, default: float | None = None) -> None:
+def add_damping_args(parser: argparse.ArgumentParser, override: bool = False) -> None:
+    """`--damping`/`--damping_scope`: the fit's damping, or (`override`, for score) a re-damping of fitted factors."""
     from moe_attrib.ekfac import DAMPING_SCOPES, DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE
 
     parser.add_argument(
         "--damping",
-        type=float,
-        default=DEFAULT_DAMPING if default is None else default,
-        help="relative damping: x mean(corrected eigenvalue) over --damping_scope",
+        type=nonnegative_float,
+        default=None if override else DEFAULT_DAMPING,
+        help="relative damping: x mean(corrected eigenvalue) over --damping_scope"
+        + (" (default: the factors' own)" if override else ""),
     )
     parser.add_argument(
         "--damping_scope",
-        default=DEFAULT_DAMPING_SCOPE if default is None else None,
+        default=None if override else DEFAULT_DAMPING_SCOPE,
         choices=DAMPING_SCOPES,
         help="mean over each expert, each module (all its experts) or the whole model",
     )
@@ -380,19 +729,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch optimizer state / HF Trainer checkpoint: Adam/Adafactor normalisation",
     )
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
+    build.add_argument("--overwrite", action="store_true", help="replace an existing index in DIR (only its files)")
     build.set_defaults(func=cmd_build)
 
     ekfac = sub.add_parser("ekfac", help="fit EK-FAC factors (per expert, routers, dense modules)")
     add_collection_args(ekfac)
     ekfac.add_argument("--out", required=True, help="output directory (safetensors + ekfac.json)")
-    add_projection_args(ekfac)
+    add_projection_args(ekfac, from_index=True)
+    ekfac.add_argument("--index", default=None, help="index the factors are for: check model, take its projection")
+    ekfac.add_argument("--overwrite", action="store_true", help="replace the factor files in a non-empty --out")
     add_damping_args(ekfac)
     ekfac.add_argument(
         "--empirical_fisher",
         action="store_true",
         help="use the data's labels (empirical Fisher) instead of labels drawn from the model (true Fisher)",
     )
-    ekfac.add_argument("--max_factor_memory", type=float, default=None, help="GiB; refuse to fit above it")
+    ekfac.add_argument("--max_factor_memory", type=positive_float, default=None, help="GiB; refuse to fit above it")
     ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")
     ekfac.set_defaults(func=cmd_ekfac)
 
@@ -403,7 +755,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("model")
     sc.add_argument("queries", help="JSONL / text file of queries (same formats as build's DATA)")
     sc.add_argument(
-        "--ekfac", nargs="+", default=None, help="EK-FAC dir(s) fitted with the index's projection settings"
+        "--ekfac", action="append", default=None, help="EK-FAC dir fitted for the index (repeat for partitions)"
     )
     sc.add_argument(
         "--unit_normalize",
@@ -414,11 +766,13 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument(
         "--modules", default=None, help="score through the blocks matching this glob only, e.g. '*.experts.*'"
     )
-    add_damping_args(sc, default=None)
+    add_damping_args(sc, override=True)
     sc.add_argument("--all_scores", default=None, help="also write every score, a [queries, rows] .npy matrix")
-    sc.add_argument("--top_k", type=int, default=10)
+    sc.add_argument("--top_k", type=positive_int, default=10)
     sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")
-    sc.add_argument("--text_field", default="text")
+    sc.add_argument("--text_field", default="text", help="text field of the queries (the index records its own)")
+    sc.add_argument("--tokenizer", default=None, help="default: the index's --tokenizer, else the model's")
+    sc.add_argument("--no_texts", action="store_true", help="do not re-read the training data; hits have no text")
     sc.add_argument("--device", default=None)
     sc.add_argument("--out", required=True, help="results file: .jsonl, .csv or .tsv (by extension)")
     sc.add_argument("--id_field", default=None, help="carry only this field of the records as `id` (default: all)")
@@ -444,8 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="offline end-to-end demo on a tiny MoE with planted facts")
     demo.add_argument("--out", default="moe-attrib-demo")
-    demo.add_argument("--steps", type=int, default=300, help="training steps of the tiny model")
-    demo.add_argument("--projection_dim", type=int, default=32)
+    demo.add_argument("--steps", type=positive_int, default=300, help="training steps of the tiny model")
+    demo.add_argument("--projection_dim", type=positive_int, default=32)
+    demo.add_argument("--overwrite", action="store_true", help="replace the demo's own files in a non-empty --out")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quiet", action="store_true")
     demo.set_defaults(func=cmd_demo)
@@ -453,7 +808,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +16,9 @@ import torch
 
 class DataError(ValueError):
     """Input data that cannot be attributed as given; the message names the file/row at fault."""
+
+
+NO_TOKENIZER = "the model has none: pass --tokenizer DIR (or give pretokenized input_ids)."
 
 
 @dataclass
@@ -27,37 +33,151 @@ class Example:
 SCALARS = (str, int, float, bool)
 
 
-def _read_records(source: str, text_field: str) -> list[dict]:
-    path = Path(source)
-    if path.is_dir():
-        try:
-            import datasets
-        except ImportError as err:
-            raise DataError(
-                f"{source} is a directory: reading a `datasets` directory needs `pip install datasets`."
-            ) from err
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-        return [dict(r) for r in ds]
-    if path.is_file():
-        if path.suffix in (".jsonl", ".json"):
-            records = []
-            with path.open() as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as err:
-                        raise DataError(f"{source}:{lineno}: not valid JSON ({err.msg}).") from err
-            return records
-        return [{text_field: line.rstrip("\n")} for line in path.open() if line.strip()]
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    """`org/name` that is not an existing local path: the only strings sent to the hub."""
+    return bool(HUB_ID.match(spec)) and not Path(spec).exists() and not spec.endswith(LOCAL_SUFFIXES)
+
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet", ".tsv")
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _import_datasets(source: str, why: str):
     try:
         import datasets
     except ImportError as err:
-        raise DataError(f"{source}: no such file or directory (hub datasets need `pip install datasets`).") from err
-    return [dict(r) for r in datasets.load_dataset(source, split="train")]
+        raise DataError(
+            f"{source}: {why} needs the `datasets` package: `pip install moe-attrib[datasets]` "
+            "(or convert the data to JSONL)."
+        ) from err
+    return datasets
+
+
+def _pick_split(ds, source: str, split: str | None):
+    datasets = _import_datasets(source, "reading it")
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            split = "train" if "train" in ds else next(iter(ds))
+        if split not in ds:
+            raise DataError(f"{source}: no split {split!r} (splits: {sorted(ds)}); pass --split NAME.")
+        ds = ds[split]
+    return [dict(r) for r in ds]
+
+
+def _read_json(path: Path, source: str) -> list:
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{source}:{err.lineno}: not valid JSON ({err.msg}).") from err
+        return records
+    records = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise DataError(f"{source}:{lineno}: not valid JSON ({err.msg}).") from err
+    return records
+
+
+def _read_csv(path: Path, source: str) -> list[dict]:
+    """Rows of a CSV/TSV file with a header line; every value is read as a string."""
+    try:
+        with path.open(newline="") as f:
+            return list(csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ","))
+    except (csv.Error, UnicodeDecodeError) as err:
+        raise DataError(f"{source}: cannot read as {path.suffix[1:].upper()} ({err}).") from err
+
+
+def _read_parquet(path: Path, source: str) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise DataError(
+            f"{source}: reading Parquet needs pyarrow: `pip install moe-attrib[datasets]` (or convert to JSONL)."
+        ) from err
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as err:  # any reader failure is this file's fault
+        raise DataError(f"{source}: cannot read as Parquet ({type(err).__name__}: {err}).") from err
+
+
+def _read_records(source: str, text_field: str, split: str | None = None) -> list[dict]:
+    path = Path(source)
+    if path.is_dir():
+        datasets = _import_datasets(source, "a `datasets` directory")
+        return _pick_split(datasets.load_from_disk(str(path)), source, split)
+    if path.is_file():
+        if path.suffix in (".jsonl", ".json"):
+            records = _read_json(path, source)
+        elif path.suffix in (".csv", ".tsv"):
+            records = _read_csv(path, source)
+        elif path.suffix == ".parquet":
+            records = _read_parquet(path, source)
+        else:
+            return [{text_field: line.rstrip("\n")} for line in path.open() if line.strip()]
+        for i, rec in enumerate(records):
+            if not isinstance(rec, dict):
+                raise DataError(f"{source}: row {i} is a JSON {type(rec).__name__}, not an object with fields.")
+        return records
+    if not looks_like_hub_id(source):
+        raise DataError(f"{source}: no such file or directory.")
+    if hub_offline():
+        raise DataError(f"{source}: no such local file, and HF_HUB_OFFLINE is set, so the hub is not asked.")
+    datasets = _import_datasets(source, "a hub dataset")
+    try:
+        ds = datasets.load_dataset(source, split=split or "train")
+    except Exception as err:  # network, missing dataset, missing split
+        raise DataError(f"{source}: not a local file, and the hub dataset cannot be loaded ({err}).") from err
+    return [dict(r) for r in ds]
+
+
+def _text(rec: dict, field: str, source: str, i: int) -> str:
+    value = rec[field]
+    if not isinstance(value, str):
+        raise DataError(
+            f"{source}: row {i} field {field!r} is {type(value).__name__} ({value!r:.40}), not a string; "
+            "fix or drop the row."
+        )
+    return value
+
+
+def _loss_start(tokenizer, prompt: str, ids: list[int]) -> int:
+    """Tokens of the prompt at the start of `ids`: the shared prefix of the pair's and the
+    prompt's tokens, so special tokens a tokenizer appends to the prompt alone (EOS) do not count."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    n = 0
+    for a, b in zip(prompt_ids, ids, strict=False):
+        if a != b:
+            break
+        n += 1
+    return min(n, len(ids) - 1)
+
+
+def source_path(source: str) -> str:
+    """The absolute path of a local data source (what an index records); hub names as given."""
+    path = Path(source)
+    return str(path.resolve()) if path.exists() else source
+
+
+def check_token_ids(examples: list[Example], vocab_size: int, source: str) -> None:
+    """Every token id must be an embedding row of the model: an error naming the first row that is not."""
+    for ex in examples:
+        bad = [t for t in ex.input_ids if t < 0 or t >= vocab_size]
+        if bad:
+            raise DataError(
+                f"{source}: row {ex.index} has token id {bad[0]}, outside the model's vocabulary "
+                f"(0..{vocab_size - 1}); the input_ids were made with another tokenizer."
+            )
 
 
 def load_examples(
@@ -66,11 +186,14 @@ def load_examples(
     text_field: str = "text",
     max_length: int | None = None,
     truncate: bool = False,
+    split: str | None = None,
 ) -> list[Example]:
-    """Read and tokenize a dataset: JSONL, plain text (one example per line), a `datasets`
-    directory or a hub name. A pretokenized `input_ids` column is used as is; a record with
-    `prompt` and `completion` fields is attributed through the completion's tokens only."""
-    records = _read_records(source, text_field)
+    """Read and tokenize a dataset: JSONL, a `.json` array of objects, CSV/TSV (header line),
+    Parquet, plain text (one example per line), a `datasets` directory or a hub name (`org/name`;
+    `split` picks the split of the last two, default train). A pretokenized `input_ids` column
+    is used as is; a record with `prompt` and `completion` fields is attributed through the
+    completion's tokens only. A text field that is not a string is an error naming the row."""
+    records = _read_records(source, text_field, split)
     if not records:
         raise DataError(f"{source}: the dataset is empty; nothing to attribute.")
     examples = []
@@ -78,18 +201,24 @@ def load_examples(
         loss_start = 0
         used = {"input_ids", text_field}
         if "input_ids" in rec:
-            ids, text = [int(t) for t in rec["input_ids"]], rec.get(text_field)
+            try:
+                ids = [int(t) for t in rec["input_ids"]]
+            except (TypeError, ValueError) as err:
+                raise DataError(f"{source}: row {i} input_ids is not a list of integers ({err}).") from err
+            text = rec.get(text_field)
+            text = text if isinstance(text, str) else None
         elif "prompt" in rec and "completion" in rec:
             if tokenizer is None:
-                raise DataError(f"{source}: row {i} has text but the model has no tokenizer.")
-            text = f"{rec['prompt']} {rec['completion']}"
+                raise DataError(f"{source}: row {i} has text but there is no tokenizer; {NO_TOKENIZER}")
+            prompt, completion = _text(rec, "prompt", source, i), _text(rec, "completion", source, i)
+            text = f"{prompt} {completion}"
             used |= {"prompt", "completion"}
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-            loss_start = len(tokenizer(str(rec["prompt"]), add_special_tokens=True)["input_ids"])
+            loss_start = _loss_start(tokenizer, prompt, ids)
         elif text_field in rec:
             if tokenizer is None:
-                raise DataError(f"{source}: row {i} has text but the model has no tokenizer.")
-            text = str(rec[text_field])
+                raise DataError(f"{source}: row {i} has text but there is no tokenizer; {NO_TOKENIZER}")
+            text = _text(rec, text_field, source, i)
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         else:
             raise DataError(

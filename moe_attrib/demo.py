@@ -29,6 +29,41 @@ MODULE_GROUPS = {
     "experts alone": "*.experts.*",
     "routers alone": "*.mlp.gate.*",
 }
+OUTPUTS = (
+    "train.jsonl",
+    "queries.jsonl",
+    "model",
+    "index",
+    "index-no-experts",
+    "results.json",
+    "scores.jsonl",
+    "report.html",
+)
+
+
+class DemoError(ValueError):
+    """The demo's output directory holds files the demo did not write."""
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """`out` is absent or empty, or (with `overwrite`) holds nothing the demo would clobber but its own files."""
+    from moe_attrib.index import IndexFileError, check_index_target, part_dir
+
+    if out.exists() and not out.is_dir():
+        raise DemoError(f"--out {out}: is a file, not a directory.")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise DemoError(
+            f"--out {out}: the directory is not empty; pass --overwrite to replace the demo's own files "
+            f"({', '.join(OUTPUTS)}) or choose another directory."
+        )
+    for name in ("index", "index-no-experts"):
+        for path in (out / name, part_dir(out / name)):
+            try:
+                check_index_target(path, overwrite=True)
+            except IndexFileError as err:
+                raise DemoError(str(err)) from err
 
 
 def make_corpus(
@@ -73,18 +108,23 @@ def run_demo(
     seed: int = 0,
     projection_dim: int | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict:
-    """Run the whole demo with the default pipeline; returns (and writes to `out/results.json`) the recall table."""
+    """Run the whole demo with the default pipeline; returns (and writes to `out/results.json`) the recall table.
+
+    A non-empty `out` is refused (`DemoError`) unless `overwrite`, which replaces only the
+    files the demo writes (`OUTPUTS`)."""
     from moe_attrib.build import build_index
     from moe_attrib.data import load_examples
     from moe_attrib.ekfac import fit_ekfac
-    from moe_attrib.index import DEFAULT_PROJECTION_DIM, load_index, remove_index
+    from moe_attrib.index import DEFAULT_PROJECTION_DIM, load_index, part_dir, remove_index
     from moe_attrib.score import DEFAULT_UNIT_NORMALIZE, group_parts, query_gradients, score
     from moe_attrib.zoo import tiny_model, train_tokenizer
 
     start = time.perf_counter()
     p = projection_dim or DEFAULT_PROJECTION_DIM
     out = Path(out)
+    check_out(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     train, queries = make_corpus(seed=seed)
     for name, rows in (("train.jsonl", train), ("queries.jsonl", queries)):
@@ -115,9 +155,9 @@ def run_demo(
     indexes = {}
     for tracked in (True, False):
         path = out / ("index" if tracked else "index-no-experts")
-        remove_index(path)
+        remove_index(part_dir(path))  # a demo's own interrupted build (check_out refused anything else)
         build_index(model, examples, path, model_name=str(out / "model"), track_moe_experts=tracked,
-                    projection_dim=p, seed=seed, token_batch_size=1024, progress=progress,
+                    projection_dim=p, seed=seed, token_batch_size=1024, progress=progress, overwrite=True,
                     extra_settings={"data": str(out / "train.jsonl")})  # fmt: skip
         index = load_index(path)
         ek = fit_ekfac(model, examples, track_moe_experts=tracked, projection_dim=p, seed=seed,

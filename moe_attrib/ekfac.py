@@ -27,6 +27,7 @@ from moe_attrib.collector import GradientCollector
 from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.distributed import Dist
+from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.projection import Projections
 
 DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md)
@@ -298,6 +299,7 @@ def fit_ekfac(
         )
     device = next(model.parameters()).device
     dist = dist or Dist(0, 1, device)
+    weights = model_fingerprint(model)  # before any expansion; recorded in ekfac.json
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
     plan = memory_plan(report, projection_dim)
     if dist.is_main and progress:
@@ -391,7 +393,7 @@ def fit_ekfac(
         projection_dim,
         seed,
         {"damping": damping, "damping_scope": damping_scope, "sampled_labels": sampled_labels, "examples": int(total),
-         "track_moe_experts": track_moe_experts, "filter_modules": filter_modules},
+         "track_moe_experts": track_moe_experts, "filter_modules": filter_modules, "model_fingerprint": weights},
     )  # fmt: skip
     if out is not None and dist.is_main:
         result.save(out)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,15 @@ from moe_attrib.discovery import CoverageReport, iter_entries
 
 FORMAT_VERSION = 1
 DEFAULT_PROJECTION_DIM = 32  # per side: a p x p block per weight (docs/quality.md)
+INDEX_FILES = (
+    "manifest.json",
+    "manifest.tmp",
+    "gradients.npy",
+    "losses.npy",
+    "expert_counts.npy",
+    "token_offsets.npy",
+    "done.npy",
+)
 
 
 class IndexFileError(RuntimeError):
@@ -114,17 +122,18 @@ class IndexWriter:
         create: bool = True,
         examples: int | None = None,
         token_offsets: np.ndarray | None = None,
+        overwrite: bool = False,
     ):
         self.examples = rows if examples is None else examples
         self.final = Path(path)
         self.dir = part_dir(path)
+        self.overwrite = overwrite
         if create:
             self._prepare(manifest, rows, dim, layers, experts, num_batches, resume, token_offsets)
         self._open()
 
     def _prepare(self, manifest, rows, dim, layers, experts, num_batches, resume, token_offsets) -> None:
-        if self.final.exists():
-            raise IndexFileError(f"{self.final} already exists; remove it or choose another --index.")
+        check_index_target(self.final, self.overwrite)
         if self.dir.exists():
             if not resume:
                 raise IndexFileError(
@@ -195,8 +204,36 @@ class IndexWriter:
         manifest["complete"] = True
         _write_json(self.dir / "manifest.json", manifest)
         del self.gradients, self.losses, self.counts, self.done
+        if self.final.exists():
+            check_index_target(self.final, self.overwrite)
+            for name in INDEX_FILES:
+                (self.final / name).unlink(missing_ok=True)
+            self.final.rmdir()
         os.replace(self.dir, self.final)
         return self.final
+
+
+def check_index_target(path: str | Path, overwrite: bool) -> None:
+    """`build --index DIR` may write to DIR when it is absent or empty, or with `overwrite` when it
+    holds only an index's files; anything else there is never deleted: an `IndexFileError`."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise IndexFileError(f"{path} is a file, not a directory; choose another --index.")
+    present = sorted(p.name for p in path.iterdir())
+    if not present:
+        return
+    if not overwrite:
+        raise IndexFileError(
+            f"{path} already exists and is not empty; pass --overwrite to replace it or choose another --index."
+        )
+    foreign = [name for name in present if name not in INDEX_FILES]
+    if foreign:
+        raise IndexFileError(
+            f"{path} holds files moe-attrib did not write ({', '.join(foreign[:5])}); --overwrite only replaces "
+            "an index, so move them or choose another --index."
+        )
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -259,6 +296,11 @@ def load_index(path: str | Path) -> Index:
 
 
 def remove_index(path: str | Path) -> None:
+    """Delete the index (and interrupted build) at `path`: only an index's files, then the emptied
+    directories; a directory holding anything else is an `IndexFileError` and is left as it is."""
     for p in (Path(path), part_dir(path)):
         if p.exists():
-            shutil.rmtree(p)
+            check_index_target(p, overwrite=True)
+            for name in INDEX_FILES:
+                (p / name).unlink(missing_ok=True)
+            p.rmdir()

@@ -13,6 +13,7 @@ output-gradient rows).
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ def load_optimizer_state(path: str | Path, model: nn.Module) -> dict[str, dict]:
         path = path / "optimizer.pt"
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as err:
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
         raise OptimizerStateError(f"{path}: cannot read an optimizer state ({err}).") from err
     if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
         raise OptimizerStateError(f"{path}: not a torch optimizer state_dict (no 'state' / 'param_groups').")

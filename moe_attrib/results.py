@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,11 @@ def results_format(path: str | Path) -> str:
     return FORMATS[suffix]
 
 
+def _finite(value) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
 def _carried(ex: Example, id_field: str | None, source: str) -> dict:
     if id_field is None:
         return {"fields": dict(ex.fields)}
@@ -51,7 +57,7 @@ def score_records(
     queries: list[Example],
     scores: Scores,
     index: Index,
-    train: list[Example],
+    train: list[Example] | None,
     *,
     id_field: str | None = None,
     query_counts: np.ndarray | None = None,
@@ -60,7 +66,8 @@ def score_records(
     query_source: str = "queries",
 ) -> list[dict]:
     """One record per query from a `Scores` over `index`, whose training examples are `train`
-    (in index order). `query_counts` (`details.query_expert_counts`) and `token_scores`
+    (in index order; None: hits without texts or fields, `score --no_texts`). A non-finite score
+    is written as null, never as a bare NaN. `query_counts` (`details.query_expert_counts`) and `token_scores`
     (`details.token_scores`, token indexes) add the routing and per-token views."""
     from moe_attrib.details import token_pieces
 
@@ -81,15 +88,17 @@ def score_records(
             hit = {"rank": rank + 1, "row": int(row), "example": int(example_ids[pos])}
             if offsets is not None:
                 hit["token"] = int(row - offsets[pos])
-            hit.update({"score": float(value), "text": train[pos].text})
-            hit.update(_carried(train[pos], id_field, source))
+            hit.update({"score": _finite(value), "text": train[pos].text if train is not None else None})
+            if train is not None:
+                hit.update(_carried(train[pos], id_field, source))
             if scores.parts is not None:
-                hit["per_module"] = group_parts(scores.parts[qi, rank], index.blocks)
-            if token_scores is not None and pos in token_scores:
+                parts = group_parts(scores.parts[qi, rank], index.blocks)
+                hit["per_module"] = {k: {n: _finite(v) for n, v in d.items()} for k, d in parts.items()}
+            if token_scores is not None and pos in token_scores and train is not None:
                 if pos not in pieces:
                     pieces[pos] = token_pieces(tokenizer, train[pos].input_ids)
                 hit["tokens"] = pieces[pos]
-                hit["token_scores"] = [float(v) for v in token_scores[pos][qi]]
+                hit["token_scores"] = [_finite(v) for v in token_scores[pos][qi]]
             hits.append(hit)
         record["results"] = hits
         records.append(record)

@@ -19,10 +19,12 @@ from tqdm.auto import tqdm
 from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.ekfac import EKFAC
+from moe_attrib.fingerprint import check_model, check_settings_match
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
 
 DEFAULT_BLOCK_BYTES = 1 << 30  # index bytes read per block
 DEFAULT_UNIT_NORMALIZE = True  # cosine after preconditioning (docs/quality.md)
+UNDEFINED = torch.finfo(torch.float32).min  # rank of a non-finite score; reported as NaN
 
 _EXPERT = re.compile(r"^(?P<layer>.+)\.expert_(?P<i>\d+)\.(?P<proj>[^.]+)\.(?P<key>weight|bias)$")
 
@@ -113,6 +115,7 @@ def prepare_queries(
         raise ScoreError(f"queries have shape {tuple(q.shape)}, the index has {index.gradients.shape[1]} columns.")
     mask = module_columns(index.blocks, modules)
     if ekfac is not None:
+        check_settings_match(index.manifest["settings"], ekfac.settings, a_name=f"index {index.path}", b_name="EK-FAC")
         q = precondition_queries(q, index.blocks, ekfac, index.manifest["settings"])
     if mask is not None:
         q = q * mask
@@ -180,10 +183,12 @@ def score(
     best_v = torch.full((q.shape[0], k), -torch.inf, device=device)
     best_i = torch.zeros((q.shape[0], k), dtype=torch.long, device=device)
     for start, rows in row_blocks(index, device, block_bytes, unit_normalize, progress, modules):
-        s = torch.nan_to_num(q @ rows.T, nan=-torch.inf)
+        s = q @ rows.T
+        s = s.masked_fill(~s.isfinite(), UNDEFINED)  # a NaN/inf row never ranks first (but above the -inf fill)
         v, i = torch.cat([best_v, s], dim=1).topk(k, dim=1)
         idx = torch.cat([best_i, torch.arange(start, start + rows.shape[0], device=device).expand(q.shape[0], -1)], 1)
         best_v, best_i = v, idx.gather(1, i)
+    best_v = best_v.masked_fill(best_v == UNDEFINED, torch.nan)
     parts = None
     if per_module:
         hit_rows = np.sort(np.unique(best_i.cpu().numpy()))
@@ -248,8 +253,12 @@ def group_parts(parts: np.ndarray, blocks: list[Block]) -> dict[str, dict[str, f
 def query_gradients(
     model: torch.nn.Module, examples: list[Example], index: Index, *, pad_id: int = 0, token_batch_size: int = 8192
 ) -> torch.Tensor:
-    """Query rows `[Q, dim]` computed with exactly the index's settings (projection, seed, modules, blocks)."""
+    """Query rows `[Q, dim]` computed with exactly the index's settings (projection, seed, modules, blocks).
+
+    The model must be the one the index was built from (weights fingerprint, `FingerprintError`);
+    a query whose gradient is not finite is a `ScoreError` naming it."""
     st = index.manifest["settings"]
+    check_model(st, model, what=f"index {index.path}")
     report = discover(model, track_moe_experts=st["track_moe_experts"], filter_modules=st["filter_modules"], warn=False)
     blocks = column_plan(report, st["projection_dim"], st["expert_blocks"])
     if [(b.name, b.start, b.stop) for b in blocks] != [(b.name, b.start, b.stop) for b in index.blocks]:
@@ -267,4 +276,7 @@ def query_gradients(
             labels = labels_for(examples, positions, ids, mask).to(device)
             grads = collector.collect(ids.to(device), mask.to(device), labels, fused_experts=True)
             out[positions] = torch.from_numpy(flatten_batch(grads, report, blocks, st["expert_blocks"]))
+    bad = [examples[n].index for n in torch.nonzero(~out.isfinite().all(dim=1)).flatten().tolist()]
+    if bad:
+        raise ScoreError(f"queries {bad[:10]} (row numbers) have a non-finite gradient (NaN/inf); drop or fix them.")
     return out
