@@ -485,10 +485,10 @@ def cmd_score(args: argparse.Namespace) -> int:
     from moe_attrib.score import ScoreError, query_gradients, score, score_matrix
 
     try:
-        results_format(args.out)
         check_model_spec(args.model)
         check_device(args.device)
         check_out_file(args.out)
+        results_format(args.out)
         for flag, path in (("--all_scores", args.all_scores), ("--report", args.report)):
             if path:
                 check_out_file(path, flag)

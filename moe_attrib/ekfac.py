@@ -137,6 +137,12 @@ def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> E
             if overlap:
                 raise ValueError(f"{p}: modules fitted twice: {sorted(overlap)[:3]}")
             merged.factors.update(part.factors)
+        damping = {(p.settings.get("damping"), p.settings.get("damping_scope", "expert")) for p in parts}
+        if len(damping) > 1:
+            raise ValueError(f"{list(path)}: partitions were fitted with different damping settings {sorted(damping)}.")
+        value, scope = damping.pop()
+        if value is not None and scope == "model":  # the model-wide mean is over every partition's factors
+            set_damping(merged.factors, value, scope)
         return merged
     from safetensors.torch import load_file
 
