@@ -30,24 +30,22 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
+def _finite_float(text: str, ok, must: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"must be {must}, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _finite_float(text, lambda v: v > 0, "a positive number")
 
 
 def nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
+    return _finite_float(text, lambda v: v >= 0, "a number >= 0")
 
 
 def check_device(spec: str | None, flag: str = "--device") -> None:
@@ -506,7 +504,8 @@ def cmd_score(args: argparse.Namespace) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = model.to(device)
         ekfac = load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]) if ekfac_dirs else None
-        q = query_gradients(model, queries, index, pad_id=getattr(tokenizer, "pad_token_id", None) or 0)
+        pad = getattr(tokenizer, "pad_token_id", None) or 0
+        q, query_counts = query_gradients(model, queries, index, pad_id=pad, with_counts=True)
         if ekfac is not None and (args.damping is not None or args.damping_scope is not None):
             damping = ekfac.settings.get("damping") if args.damping is None else args.damping
             ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
@@ -520,7 +519,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from moe_attrib.results import ResultsError
 
     try:
-        records = result_records(args, model, index, queries, train, tokenizer, q, ekfac, result)
+        records = result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, result)
         write_results(records, args.out)
     except ResultsError as err:
         print(f"moe-attrib score: error: {err}", file=sys.stderr)
@@ -533,14 +532,13 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
-def result_records(args, model, index, queries, train, tokenizer, q, ekfac, result) -> list[dict]:
+def result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, result) -> list[dict]:
     """Score records with the query's routing and, for a token index, the hit examples' token shares."""
     import numpy as np
 
-    from moe_attrib.details import query_expert_counts, token_scores
+    from moe_attrib.details import token_scores
     from moe_attrib.results import score_records
 
-    pad = getattr(tokenizer, "pad_token_id", None) or 0
     shares = None
     if index.token_offsets is not None:
         positions = np.searchsorted(index.token_offsets, result.rows.reshape(-1), side="right") - 1
@@ -553,7 +551,7 @@ def result_records(args, model, index, queries, train, tokenizer, q, ekfac, resu
         index,
         train,
         id_field=args.id_field,
-        query_counts=query_expert_counts(model, queries, index, pad_id=pad),
+        query_counts=query_counts,
         token_scores=shares,
         tokenizer=tokenizer,
         query_source=args.queries,

@@ -162,8 +162,8 @@ def run_demo(
         index = load_index(path)
         ek = fit_ekfac(model, examples, track_moe_experts=tracked, projection_dim=p, seed=seed,
                        token_batch_size=1024, progress=progress)  # fmt: skip
-        q = query_gradients(model, qexamples, index)
-        indexes[tracked] = (index, q, ek)
+        q, counts = query_gradients(model, qexamples, index, with_counts=True)
+        indexes[tracked] = (index, q, ek, counts)
         cov = index.manifest["coverage"]
         if tracked:
             recall(
@@ -177,7 +177,7 @@ def run_demo(
             recall("attention + lm_head (no --track_moe_experts), EK-FAC",
                    score(index, q, ekfac=ek, unit_normalize=unit, device="cpu"), cov)  # fmt: skip
 
-    index, q, ek = indexes[True]
+    index, q, ek, counts = indexes[True]
     res = score(index, q, ekfac=ek, unit_normalize=unit, top_k=3, per_module=True, device="cpu")
     print("\nTop training examples for the first queries (default pipeline):")
     for qi in range(5):
@@ -203,11 +203,10 @@ def run_demo(
     print(f"  {'variant':58s} {'recall@1':>9s} {'recall@10':>10s}")
     for name, r in results["variants"].items():
         print(f"  {name:58s} {r['recall@1']:9.1%} {r['recall@10']:10.1%}")
-    from moe_attrib.details import query_expert_counts
     from moe_attrib.report import write_report
     from moe_attrib.results import score_records, write_results
 
-    records = score_records(qexamples, res, index, examples, query_counts=query_expert_counts(model, qexamples, index))
+    records = score_records(qexamples, res, index, examples, query_counts=counts)
     write_results(records, out / "scores.jsonl")
     print(f"\nreport: {write_report(records, index, out / 'report.html').resolve()} (open it in a browser)")
     results["seconds"] = time.perf_counter() - start

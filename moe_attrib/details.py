@@ -12,37 +12,21 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from moe_attrib.collector import GradientCollector
-from moe_attrib.data import Example, collate, labels_for, token_batches
-from moe_attrib.discovery import discover
+from moe_attrib.data import Example
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Index
-from moe_attrib.score import DEFAULT_UNIT_NORMALIZE, score_matrix
+from moe_attrib.score import DEFAULT_UNIT_NORMALIZE, query_gradients, score_matrix
 
 
 def query_expert_counts(
     model: torch.nn.Module, examples: list[Example], index: Index, *, pad_id: int = 0, token_batch_size: int = 8192
 ) -> np.ndarray | None:
     """Tokens each query routes to each expert, `[Q, layers, E]` in the index's `expert_layers`
-    order (what `index.expert_counts` holds for training examples); None for an index without
-    expert layers. Costs one extra forward and activation backward over the queries."""
-    layers = index.manifest.get("expert_layers") or []
-    if not layers:
-        return None
-    width = index.expert_counts.shape[2]
-    out = np.zeros((len(examples), len(layers), width), dtype=np.float32)
-    report = discover(model, track_moe_experts=True, warn=False)
-    device = next(model.parameters()).device
-    with GradientCollector(model, report, projection_dim=1) as collector:
-        for positions in token_batches(examples, token_batch_size):
-            ids, mask = collate(examples, positions, pad_id)
-            labels = labels_for(examples, positions, ids, mask).to(device)
-            res = collector.collect(ids.to(device), mask.to(device), labels, fused_experts=True)
-            counts = res.expert_counts.float().cpu().numpy()
-            for j, name in enumerate(res.expert_layers):
-                if name in layers:
-                    out[positions, layers.index(name), : counts.shape[2]] = counts[:, j]
-    return out
+    order; None for an index without expert layers. A pass of its own: when the query rows are
+    needed too, `query_gradients(..., with_counts=True)` gives both from one pass."""
+    return query_gradients(model, examples, index, pad_id=pad_id, token_batch_size=token_batch_size, with_counts=True)[
+        1
+    ]
 
 
 def token_scores(

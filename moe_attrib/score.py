@@ -251,12 +251,21 @@ def group_parts(parts: np.ndarray, blocks: list[Block]) -> dict[str, dict[str, f
 
 
 def query_gradients(
-    model: torch.nn.Module, examples: list[Example], index: Index, *, pad_id: int = 0, token_batch_size: int = 8192
-) -> torch.Tensor:
+    model: torch.nn.Module,
+    examples: list[Example],
+    index: Index,
+    *,
+    pad_id: int = 0,
+    token_batch_size: int = 8192,
+    with_counts: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, np.ndarray | None]:
     """Query rows `[Q, dim]` computed with exactly the index's settings (projection, seed, modules, blocks).
 
     The model must be the one the index was built from (weights fingerprint, `FingerprintError`);
-    a query whose gradient is not finite is a `ScoreError` naming it."""
+    a query whose gradient is not finite is a `ScoreError` naming it. With `with_counts`, also the
+    tokens each query routes to each expert, `[Q, layers, E]` in the index's `expert_layers` order
+    (what `index.expert_counts` holds for training rows; None for an index without expert layers),
+    from the same pass."""
     st = index.manifest["settings"]
     check_model(st, model, what=f"index {index.path}")
     report = discover(model, track_moe_experts=st["track_moe_experts"], filter_modules=st["filter_modules"], warn=False)
@@ -268,6 +277,8 @@ def query_gradients(
         )
     device = next(model.parameters()).device
     out = torch.zeros(len(examples), blocks[-1].stop)
+    layers = index.manifest.get("expert_layers") or []
+    counts = np.zeros((len(examples), len(layers), index.expert_counts.shape[2]), np.float32) if layers else None
     from moe_attrib.build import make_collector
 
     with make_collector(model, report, st["projection_dim"], st["seed"], st.get("optimizer_state")) as collector:
@@ -276,7 +287,12 @@ def query_gradients(
             labels = labels_for(examples, positions, ids, mask).to(device)
             grads = collector.collect(ids.to(device), mask.to(device), labels, fused_experts=True)
             out[positions] = torch.from_numpy(flatten_batch(grads, report, blocks, st["expert_blocks"]))
+            if counts is not None:
+                got = grads.expert_counts.float().cpu().numpy()
+                for j, name in enumerate(grads.expert_layers):
+                    if name in layers:
+                        counts[positions, layers.index(name), : got.shape[2]] = got[:, j]
     bad = [examples[n].index for n in torch.nonzero(~out.isfinite().all(dim=1)).flatten().tolist()]
     if bad:
         raise ScoreError(f"queries {bad[:10]} (row numbers) have a non-finite gradient (NaN/inf); drop or fix them.")
-    return out
+    return (out, counts) if with_counts else out
