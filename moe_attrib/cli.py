@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
-import os
 import shlex
 import sys
 import warnings
@@ -13,112 +11,20 @@ from pathlib import Path
 
 import torch
 
-from moe_attrib.data import hub_offline, looks_like_hub_id
-
-
-class UsageError(ValueError):
-    """A command line that cannot work as given; found before any directory is created or compute starts."""
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _finite_float(text: str, ok, must: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and ok(value)):
-        raise argparse.ArgumentTypeError(f"must be {must}, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    return _finite_float(text, lambda v: v > 0, "a positive number")
-
-
-def nonnegative_float(text: str) -> float:
-    return _finite_float(text, lambda v: v >= 0, "a number >= 0")
-
-
-def check_device(spec: str | None, flag: str = "--device") -> None:
-    """A device string that this machine has (a CUDA device index that exists)."""
-    if spec is None:
-        return
-    try:
-        dev = torch.device(spec)
-    except (RuntimeError, ValueError) as err:
-        raise UsageError(f"{flag} {spec!r}: not a device ({err}); use cpu, cuda or cuda:N.") from err
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"{flag} {spec}: no CUDA device is available here; use --device cpu.")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(f"{flag} {spec}: this machine has {torch.cuda.device_count()} CUDA device(s).")
-    elif dev.type not in ("cpu", "mps", "xpu"):
-        raise UsageError(f"{flag} {spec}: unsupported device type {dev.type!r}; use cpu or cuda.")
-
-
-def check_model_spec(spec: str) -> None:
-    """`tiny:<family>`, an existing model directory, or a hub id (`org/name`); anything else is a
-    mistyped path and says so instead of asking the hub."""
-    if spec.startswith("tiny:"):
-        from moe_attrib.zoo import FAMILY_OVERRIDES
-
-        if spec[5:] not in FAMILY_OVERRIDES:
-            raise UsageError(f"{spec}: unknown tiny family; known: {', '.join(sorted(FAMILY_OVERRIDES))}.")
-        return
-    path = Path(spec)
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise UsageError(f"{spec}: not a save_pretrained model directory (no config.json in it).")
-        return
-    if path.exists():
-        raise UsageError(f"{spec}: is a file; MODEL must be a save_pretrained model directory or a hub id.")
-    if not looks_like_hub_id(spec):
-        raise UsageError(f"{spec}: no such model directory.")
-
-
-def check_out_dir(path: str, overwrite: bool, flag: str) -> None:
-    """An output directory is absent, empty, or (with --overwrite) replaced file by file; its parent is writable."""
-    out = Path(path)
-    if out.exists():
-        if not out.is_dir():
-            raise UsageError(f"{flag} {path}: is a file, not a directory.")
-        if any(out.iterdir()) and not overwrite:
-            raise UsageError(
-                f"{flag} {path}: the directory is not empty; pass --overwrite to replace the files moe-attrib "
-                "writes there (nothing else is touched), or choose another directory."
-            )
-        if not os.access(out, os.W_OK):
-            raise UsageError(f"{flag} {path}: the directory is not writable.")
-        return
-    check_parent_writable(out, flag)
-
-
-def check_parent_writable(path: Path, flag: str) -> None:
-    parent = path.resolve().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UsageError(f"{flag} {path}: cannot create it ({parent} is not a writable directory).")
-
-
-def check_out_file(path: str, flag: str = "--out") -> None:
-    out = Path(path)
-    if out.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory; give a file name.")
-    if out.exists() and not os.access(out, os.W_OK):
-        raise UsageError(f"{flag} {path}: the file is not writable.")
-    if not out.parent.resolve().is_dir():
-        raise UsageError(f"{flag} {path}: no such directory {out.parent}.")
-    check_parent_writable(out, flag)
+from moe_attrib.checks import (
+    UsageError,
+    check_collection_args,
+    check_device,
+    check_ekfac_dirs,
+    check_model_spec,
+    check_out_dir,
+    check_out_file,
+    check_parent_writable,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+)
+from moe_attrib.loading import load_model, load_tokenizer, model_name, resolve_precision
 
 
 @contextlib.contextmanager
@@ -140,43 +46,6 @@ def notes():
         warnings.filterwarnings("always", message=".*moe-attrib")
         warnings.showwarning = show
         yield
-
-
-def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
-    if precision == "auto":
-        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if bf16 else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
-def load_model(spec: str, dtype: str | torch.dtype = "fp32") -> torch.nn.Module:
-    """`tiny:<family>` (a bundled tiny random model), a local `save_pretrained` directory or a hub id."""
-    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_precision(dtype, torch.device("cpu"))
-    try:
-        check_model_spec(spec)
-    except UsageError as err:
-        raise SystemExit(f"moe-attrib: cannot load model: {err}") from err
-    if spec.startswith("tiny:"):
-        from moe_attrib.zoo import tiny_model
-
-        return tiny_model(spec.split(":", 1)[1], dtype=torch_dtype)
-    from transformers import AutoModelForCausalLM
-
-    local = Path(spec).is_dir()
-    try:
-        return AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype, local_files_only=local).eval()
-    except (OSError, ValueError) as err:
-        where = (
-            "the local directory"
-            if local
-            else "the hub id (offline: HF_HUB_OFFLINE is set)"
-            if hub_offline()
-            else "the hub id"
-        )
-        raise SystemExit(
-            f"moe-attrib: cannot load model {spec!r} from {where}: {err}\n"
-            "Give a local save_pretrained directory, a hub id (with network access), or tiny:<family>."
-        ) from err
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -204,54 +73,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def has_tokenizer_files(directory: Path) -> bool:
-    return any((directory / name).exists() for name in TOKENIZER_FILES)
-
-
-def load_tokenizer(model: str, tokenizer: str | None = None):
-    """The tokenizer of `--tokenizer` (which must load) or of the model directory (None when it has
-    none: pretokenized data still works and text data is an error naming the row)."""
-    from transformers import AutoTokenizer
-
-    if tokenizer is not None:
-        if not Path(tokenizer).exists() and not looks_like_hub_id(tokenizer):
-            raise UsageError(f"--tokenizer {tokenizer}: no such directory.")
-        if Path(tokenizer).is_dir() and not has_tokenizer_files(Path(tokenizer)):
-            raise UsageError(f"--tokenizer {tokenizer}: no tokenizer files in it ({', '.join(TOKENIZER_FILES)}).")
-        try:
-            return AutoTokenizer.from_pretrained(tokenizer, local_files_only=Path(tokenizer).exists())
-        except (OSError, ValueError) as err:
-            raise UsageError(f"--tokenizer {tokenizer}: cannot load a tokenizer from it ({err}).") from err
-    if model.startswith("tiny:"):
-        return None
-    local = Path(model).exists()
-    if local and not has_tokenizer_files(Path(model)):
-        return None  # transformers would build an empty tokenizer from the config alone
-    try:
-        return AutoTokenizer.from_pretrained(model, local_files_only=local)
-    except (OSError, ValueError, TypeError) as err:
-        if local:
-            return None
-        offline = " (HF_HUB_OFFLINE is set)" if hub_offline() else ""
-        raise UsageError(
-            f"cannot load model {model!r}: its tokenizer cannot be fetched from the hub{offline} ({err}); "
-            "give a local model directory, or --tokenizer DIR."
-        ) from err
-
-
-def check_collection_args(args: argparse.Namespace) -> None:
-    """Everything about a `build`/`ekfac` command line that can be checked before loading anything."""
-    check_model_spec(args.model)
-    check_device(args.device)
-    if getattr(args, "optimizer_state", None):
-        if not Path(args.optimizer_state).exists():
-            raise UsageError(f"--optimizer_state {args.optimizer_state}: no such file or directory.")
-        args.optimizer_state = str(Path(args.optimizer_state).resolve())  # score re-reads it from anywhere
-
-
 def load_inputs(args: argparse.Namespace, dist):
     """Tokenizer, examples and model (on the rank's device) for `build` and `ekfac`."""
     from moe_attrib.data import check_token_ids, load_examples
@@ -277,10 +98,6 @@ def data_settings(args: argparse.Namespace, tokenizer) -> dict:
         "max_length": args.max_length,
         "truncate": args.truncate,
     }
-
-
-def model_name(spec: str) -> str:
-    return str(Path(spec).resolve()) if Path(spec).exists() else spec
 
 
 def resume_command(argv: list[str]) -> str:
@@ -424,26 +241,6 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
         result.save(args.out)
         print(f"EK-FAC factors written to {args.out}")
     return 0
-
-
-def check_ekfac_dirs(dirs: list[str], settings: dict, index_path: str) -> None:
-    """Each `--ekfac DIR` is an EK-FAC directory made for this index (model, tokenizer, projection)."""
-    import json
-
-    from moe_attrib.fingerprint import check_settings_match
-
-    for d in dirs:
-        try:
-            info = json.loads((Path(d) / "ekfac.json").read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise UsageError(f"--ekfac {d}: not an EK-FAC directory (no readable ekfac.json: {err}).") from err
-        if (info["projection_dim"], info["seed"]) != (settings["projection_dim"], settings["seed"]):
-            raise UsageError(
-                f"--ekfac {d}: fitted with projection_dim={info['projection_dim']}, seed={info['seed']} but the index "
-                f"{index_path} uses projection_dim={settings['projection_dim']}, seed={settings['seed']}; refit with "
-                f"`moe-attrib ekfac ... --index {index_path}`."
-            )
-        check_settings_match(settings, info.get("settings", {}), a_name=f"index {index_path}", b_name=f"--ekfac {d}")
 
 
 def training_examples(settings: dict, tokenizer, text_field: str) -> list:

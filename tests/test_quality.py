@@ -109,7 +109,7 @@ def test_all_row_scores_equal_brute_force(small_index, kwargs, tmp_path):
     qq = q.double()
     if use_ek:
         qq = ma.precondition_queries(q, index.blocks, ek, index.manifest["settings"]).double()
-    rows = torch.from_numpy(np.asarray(index.gradients)).double()
+    rows = torch.from_numpy(np.array(index.gradients)).double()
     if unit:
         qq, rows = qq / qq.norm(dim=1, keepdim=True), rows / rows.norm(dim=1, keepdim=True)
     brute = (qq @ rows.T).numpy()
