@@ -1,3 +1,4 @@
+import socket
 import warnings
 
 import pytest
@@ -21,3 +22,10 @@ def padded_batch():
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now: torchrun tests must not meet another run's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -18,6 +18,7 @@ import moe_attrib as ma
 from moe_attrib.data import collate, load_examples
 from moe_attrib.index import IndexFileError, load_index
 from moe_attrib.zoo import save_tiny
+from tests.conftest import free_port
 
 CORPUS = Path(__file__).parent / "data" / "tiny_corpus.jsonl"
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
@@ -154,7 +155,7 @@ def test_torchrun_two_processes_equal_one(model_dir, tmp_path):
         [
             torchrun,
             "--nproc_per_node=2",
-            "--master_port=29533",
+            f"--master_port={free_port()}",
             "-m",
             "moe_attrib",
             "build",
