@@ -24,6 +24,7 @@ from moe_attrib.checks import (
     positive_float,
     positive_int,
 )
+from moe_attrib.distributed import teardown
 from moe_attrib.loading import load_model, load_tokenizer, model_name, resolve_precision
 
 
@@ -240,6 +241,7 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
         result.settings.update(settings)
         result.save(args.out)
         print(f"EK-FAC factors written to {args.out}")
+    dist.barrier()  # every rank leaves together, after rank 0 has written
     return 0
 
 
@@ -606,7 +608,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    return args.func(args)
+    try:
+        return args.func(args)
+    finally:
+        teardown()
 
 
 if __name__ == "__main__":

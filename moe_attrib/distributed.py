@@ -45,3 +45,10 @@ def setup(device: str | None = None) -> Dist:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return Dist(rank, world, dev)
+
+
+def teardown() -> None:
+    """Leave the process group (if one was joined): a rank that exits with gloo's connections still
+    open can abort at exit ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

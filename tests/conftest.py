@@ -1,4 +1,5 @@
 import socket
+import subprocess
 import warnings
 
 import pytest
@@ -29,3 +30,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_torchrun(cmd: list[str], attempts: int = 3, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run` of a torchrun command (`cmd[0]` is torchrun) on a free port, run again when a
+    rank was killed by SIGABRT.
+
+    Known flake (see the session note): under pytest, about one torchrun run in three has a gloo
+    rank abort with "terminate called without an active exception" before any Python error; it
+    has not been seen outside pytest (0 of 14 direct runs). Only that signature is retried; any
+    other failure, and the equality the tests check, still fail the test."""
+    for _ in range(attempts):
+        res = subprocess.run([cmd[0], f"--master_port={free_port()}", *cmd[1:]], **kwargs)
+        if res.returncode == 0 or "terminate called without an active exception" not in res.stderr:
+            return res
+    return res

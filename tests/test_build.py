@@ -18,7 +18,7 @@ import moe_attrib as ma
 from moe_attrib.data import collate, load_examples
 from moe_attrib.index import IndexFileError, load_index
 from moe_attrib.zoo import save_tiny
-from tests.conftest import free_port
+from tests.conftest import run_torchrun
 
 CORPUS = Path(__file__).parent / "data" / "tiny_corpus.jsonl"
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
@@ -151,11 +151,10 @@ def test_torchrun_two_processes_equal_one(model_dir, tmp_path):
     # torchrun runs each rank with OMP_NUM_THREADS=1; same threads give bitwise-equal CPU results
     build(*args, "--index", one, env={**ENV, "OMP_NUM_THREADS": "1"})
     two = tmp_path / "two"
-    res = subprocess.run(
+    res = run_torchrun(
         [
             torchrun,
             "--nproc_per_node=2",
-            f"--master_port={free_port()}",
             "-m",
             "moe_attrib",
             "build",

@@ -14,7 +14,7 @@ from moe_attrib.data import Example, collate
 from moe_attrib.ekfac import FactorMemoryError, fit_ekfac, load_ekfac
 from moe_attrib.projection import projection_matrix
 from moe_attrib.zoo import tiny_model
-from tests.conftest import free_port, rel_err
+from tests.conftest import rel_err, run_torchrun
 from tests.test_build import CORPUS, ENV, model_dir  # noqa: F401  (fixture)
 
 
@@ -198,11 +198,10 @@ def test_cli_torchrun_two_ranks_equal_one(model_dir, tmp_path):  # noqa: F811
         timeout=600,
     )
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run(
+    two = run_torchrun(
         [
             torchrun,
             "--nproc_per_node=2",
-            f"--master_port={free_port()}",
             "-m",
             "moe_attrib",
             "ekfac",
