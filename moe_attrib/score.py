@@ -141,13 +141,19 @@ def row_blocks(
     bar = tqdm(total=total, unit="row", unit_scale=True, desc="score", disable=not progress)
     for start in range(0, total, step):
         rows = torch.from_numpy(np.array(index.gradients[start : start + step])).to(device)
-        if mask is not None:
-            rows = rows * mask
-        if unit_normalize:
-            rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30)
+        rows = _as_scored(rows, mask, unit_normalize)
         yield start, rows
         bar.update(rows.shape[0])
     bar.close()
+
+
+def _as_scored(rows: torch.Tensor, mask: torch.Tensor | None, unit_normalize: bool) -> torch.Tensor:
+    """Index rows as they are multiplied with the queries: restricted to `mask`, unit-normalised."""
+    if mask is not None:
+        rows = rows * mask
+    if unit_normalize:
+        rows = rows / rows.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    return rows
 
 
 def _device(device: str | torch.device | None) -> torch.device:
@@ -196,10 +202,7 @@ def score(
         lookup = {int(r): n for n, r in enumerate(hit_rows)}
         rows = hits[[lookup[int(r)] for r in best_i.reshape(-1)]].view(*best_i.shape, -1)
         mask = module_columns(blocks, modules)
-        if mask is not None:
-            rows = rows * mask.to(device)
-        if unit_normalize:
-            rows = rows / rows.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        rows = _as_scored(rows, None if mask is None else mask.to(device), unit_normalize)
         prod = rows * q.unsqueeze(1)
         parts = torch.stack([prod[..., b.start : b.stop].sum(-1) for b in blocks], dim=-1).cpu().numpy()
     return Scores(best_v.cpu().numpy(), best_i.cpu().numpy(), parts)
