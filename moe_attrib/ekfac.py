@@ -188,7 +188,7 @@ def memory_plan(report: CoverageReport, projection_dim: int | None) -> dict:
         size = 8 * e * (2 * a * a + 2 * g * g + a + g + a * g)
         kind = "experts" if experts else kinds.get(name, "linear")
         per_kind[kind] = per_kind.get(kind, 0) + size
-    return {"per_kind": per_kind, "total": sum(per_kind.values()), "unsupported": []}
+    return {"per_kind": per_kind, "total": sum(per_kind.values())}
 
 
 def format_plan(plan: dict) -> str:
@@ -196,8 +196,6 @@ def format_plan(plan: dict) -> str:
     for kind, size in sorted(plan["per_kind"].items()):
         lines.append(f"  {kind:<10s} {size / 2**30:10.3f} GiB")
     lines.append(f"  {'total':<10s} {plan['total'] / 2**30:10.3f} GiB")
-    if plan["unsupported"]:
-        lines.append(f"  no EK-FAC factors (grouped linear): {', '.join(plan['unsupported'])}")
     return "\n".join(lines)
 
 
@@ -245,17 +243,13 @@ def set_damping(factors: dict[str, Factor], damping: float, scope: str = DEFAULT
     A scope whose eigenvalues are all zero (a module that never received a gradient) falls back
     to the model-wide mean, so no damping is ever zero and no score becomes 0/0.
     """
-    if scope not in DAMPING_SCOPES:
-        raise ValueError(f"damping scope must be one of {DAMPING_SCOPES}, not {scope!r}")
-    if damping < 0:
-        raise ValueError(f"damping must be >= 0, not {damping}")
+    check_damping(damping, scope)
     sums = [f.lam.sum() for f in factors.values()]
     sizes = [f.lam.numel() for f in factors.values()]
     model_mean = float(sum(sums) / max(sum(sizes), 1)) if sums else 0.0
     floor = damping * model_mean if model_mean > 0 else 1.0
     floor = max(floor, torch.finfo(torch.float64).tiny)
-    new = {}
-    for name, f in factors.items():
+    for name, f in list(factors.items()):
         lead = f.lam.shape[:-2]
         if scope == "model":
             value = torch.full(lead, damping * model_mean, dtype=f.lam.dtype, device=f.lam.device)
@@ -263,9 +257,16 @@ def set_damping(factors: dict[str, Factor], damping: float, scope: str = DEFAULT
             value = torch.full(lead, damping * float(f.lam.mean()), dtype=f.lam.dtype, device=f.lam.device)
         else:
             value = damping * f.lam.mean(dim=(-1, -2))
-        new[name] = torch.where(value > 0, value, torch.full_like(value, floor))
-    for name, f in factors.items():
-        factors[name] = Factor(**{**f.__dict__, "damping": new[name]})
+        value = torch.where(value > 0, value, torch.full_like(value, floor))
+        factors[name] = Factor(**{**f.__dict__, "damping": value})
+
+
+def check_damping(damping: float, scope: str) -> None:
+    """A damping >= 0 and a known scope, checked before any work (fit) or re-damping."""
+    if scope not in DAMPING_SCOPES:
+        raise ValueError(f"damping scope must be one of {DAMPING_SCOPES}, not {scope!r}")
+    if damping < 0:
+        raise ValueError(f"damping must be >= 0, not {damping}")
 
 
 def _batches(examples: list[Example], token_batch_size: int, dist: Dist) -> list[tuple[int, list[int]]]:
@@ -299,10 +300,7 @@ def fit_ekfac(
     factors exceed `max_memory_gib`.
     Under torchrun the sums are all-reduced, so every rank ends with the same factors.
     """
-    if damping_scope not in DAMPING_SCOPES or damping < 0:
-        raise ValueError(
-            f"damping must be >= 0 and damping_scope one of {DAMPING_SCOPES} (got {damping}, {damping_scope!r})"
-        )
+    check_damping(damping, damping_scope)
     device = next(model.parameters()).device
     dist = dist or Dist(0, 1, device)
     weights = model_fingerprint(model)  # before any expansion; recorded in ekfac.json
