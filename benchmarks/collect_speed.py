@@ -84,7 +84,7 @@ def timed(fn, warmup: int, steps: int) -> tuple[float, list[float], int]:
     return statistics.median(times), times, torch.cuda.max_memory_allocated()
 
 
-def profile_steps(title: str, fn, steps: int = 3) -> None:
+def profile_steps(title: str, fn, steps: int = 3, sort_by: str = "self_cpu_time_total") -> None:
     """Print where CPU and GPU time go (torch.profiler), per step."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -98,7 +98,7 @@ def profile_steps(title: str, fn, steps: int = 3) -> None:
     gpu = sum(e.self_device_time_total for e in events) / steps / 1e3
     calls = sum(e.count for e in events if e.key.startswith("aten::")) / steps
     print(f"== {title}: per step self CPU {cpu:.1f} ms, self GPU {gpu:.1f} ms, aten calls {calls:.0f}")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=args_rows(), max_name_column_width=50))
+    print(events.table(sort_by=sort_by, row_limit=args_rows(), max_name_column_width=50))
 
 
 def args_rows() -> int:

@@ -47,6 +47,7 @@ from moe_attrib.zoo import tiny_model, train_tokenizer  # noqa: E402
 
 @dataclass(frozen=True)
 class Config:
+    family: str = "qwen3_moe"
     hidden: int = 64
     layers: int = 2
     experts: int = 8
@@ -66,6 +67,7 @@ class Config:
 
 CONFIGS = {
     "cpu": Config(),
+    "cpu-gpt_oss": Config(family="gpt_oss"),  # biases on attention, experts and router: bias folding
     "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
     "gpu": Config(
         hidden=256,
@@ -96,15 +98,18 @@ def corpus(cfg: Config, root: Path):
 
 
 def make_model(cfg: Config, vocab: int, device: str):
+    sizes = {"intermediate_size": cfg.moe_intermediate} if cfg.family == "gpt_oss" else {}
     return tiny_model(
-        "qwen3_moe",
+        cfg.family,
         seed=cfg.seed,
         vocab_size=vocab,
         hidden_size=cfg.hidden,
         num_hidden_layers=cfg.layers,
         num_experts=cfg.experts,
+        num_local_experts=cfg.experts,
         num_experts_per_tok=cfg.top_k,
         moe_intermediate_size=cfg.moe_intermediate,
+        **sizes,
         num_attention_heads=cfg.heads,
         num_key_value_heads=cfg.heads // 2,
         head_dim=cfg.hidden // cfg.heads,
@@ -317,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = CONFIGS[args.config]
     torch.set_num_threads(max(1, args.workers))
-    key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    fields = asdict(cfg)
+    if fields["family"] == "qwen3_moe":  # caches made before the field existed stay valid
+        del fields["family"]
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     cache = Path(args.cache) / f"lds-{args.config}-{key}"
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -1,0 +1,369 @@
+"""End to end at hardware speed (issue 15): collection steps, `build_index`, peak memory at full depth.
+
+Every row is measured side by side with its reference in one process, in interleaved rounds,
+and reported as a ratio of medians:
+
+- collect: the collection step vs a plain training step (forward + backward with weight
+  gradients, `experts_implementation="grouped_mm"`) on 4-layer Qwen3-30B-A3B / OLMoE-1B-7B
+  shapes at 1k-8k tokens per batch, and with a skewed router;
+- build: `build_index` tokens/s over 128 x 512 tokens of a 24-layer Qwen3-30B-A3B shape
+  (`--expert_blocks sum`, the default projection) vs plain training steps over the same batches;
+- memory48: the peak GPU memory of a 48-layer Qwen3-30B-A3B-shaped build vs its weights.
+
+    python benchmarks/e2e.py --out benchmarks/results/e2e-h200.json [--parts collect phases build memory48]
+
+Scoring is measured by `benchmarks/score_speed.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from collect_speed import SHAPES, timed  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+import moe_attrib as ma  # noqa: E402
+from moe_attrib.collector import GradientCollector, example_losses  # noqa: E402
+from moe_attrib.data import Example  # noqa: E402
+
+GiB = 1 << 30
+
+
+def make_model(shape: str, **overrides) -> torch.nn.Module:
+    family, base = SHAPES[shape]
+    config = AutoConfig.for_model(family, **{**base, **overrides})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, experts_implementation="grouped_mm")
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def plain_step(model, ids, mask, labels) -> None:
+    out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    example_losses(out.logits, labels).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+
+
+def token_ids(model, n: int, seq_len: int, repeat: float = 0.0, seed: int = 0) -> torch.Tensor:
+    """Random ids; with `repeat` > 0 that fraction of positions holds one token (a skewed router's load)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (n, seq_len), generator=gen)
+    if repeat:
+        ids[torch.rand(ids.shape, generator=gen) < repeat] = 5
+    return ids
+
+
+def expert_share(counts: torch.Tensor, top: int = 8) -> float:
+    """Share of routed rows taken by the `top` busiest experts, averaged over layers."""
+    per_layer = counts.sum(dim=0)  # [layers, E]
+    share = per_layer.topk(top, dim=1).values.sum(1) / per_layer.sum(1)
+    return float(share.mean())
+
+
+def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds: int) -> dict:
+    ids = ids.cuda()
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    report = ma.discover(model, track_moe_experts=True, warn=False)
+    times: dict[str, list[float]] = {"plain": [], "collect": []}
+    peaks = {"plain": 0, "collect": 0}
+    share = None
+    for _ in range(rounds):
+        _, t, m = timed(lambda: plain_step(model, ids, mask, labels), 2, steps)
+        times["plain"] += t
+        peaks["plain"] = max(peaks["plain"], m)
+        with GradientCollector(model, report, projection_dim=p) as c:
+            out = c.collect(ids, mask, labels, fused_experts=True)
+            share = expert_share(out.expert_counts.float().cpu())
+            del out
+            _, t, m = timed(lambda c=c: c.collect(ids, mask, labels, fused_experts=True), 2, steps)
+        times["collect"] += t
+        peaks["collect"] = max(peaks["collect"], m)
+    plain, collect = statistics.median(times["plain"]), statistics.median(times["collect"])
+    row = {
+        "row": name,
+        "tokens": ids.numel(),
+        "batch": list(ids.shape),
+        "projection_dim": p,
+        "top8_expert_share": share,
+        "plain_ms": plain * 1e3,
+        "collect_ms": collect * 1e3,
+        "time_ratio": collect / plain,
+        "plain_ms_iqr": iqr(times["plain"]),
+        "collect_ms_iqr": iqr(times["collect"]),
+        "plain_peak_gib": peaks["plain"] / GiB,
+        "collect_peak_gib": peaks["collect"] / GiB,
+        "memory_ratio": peaks["collect"] / peaks["plain"],
+        "rounds": rounds,
+        "steps_per_round": steps,
+    }
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def iqr(values: list[float]) -> list[float]:
+    q = statistics.quantiles(values, n=4)
+    return [q[0] * 1e3, q[2] * 1e3]
+
+
+def collect_part(p: int, steps: int, rounds: int) -> list[dict]:
+    rows = []
+    model = make_model("qwen3-30b-a3b-shaped")
+    for name, n, s, repeat in (
+        ("qwen3 2x512", 2, 512, 0.0),
+        ("qwen3 8x512", 8, 512, 0.0),
+        ("qwen3 8x512 skewed router", 8, 512, 0.34),
+        ("qwen3 2x4096", 2, 4096, 0.0),
+        ("qwen3 4x4096", 4, 4096, 0.0),
+    ):
+        rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds))
+    del model
+    torch.cuda.empty_cache()
+    model = make_model("olmoe-1b-7b-shaped")
+    rows.append(collect_row("olmoe 8x512", model, token_ids(model, 8, 512), p, steps, rounds))
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def examples_for(model, count: int, seq_len: int = 512) -> list[Example]:
+    ids = token_ids(model, count, seq_len, seed=1)
+    return [Example(i, ids[i].tolist()) for i in range(count)]
+
+
+def build_once(model, exs, path: Path, p: int | None, blocks: str, token_batch_size: int) -> float:
+    shutil.rmtree(path, ignore_errors=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    ma.build_index(
+        model,
+        exs,
+        path,
+        track_moe_experts=True,
+        projection_dim=p,
+        token_batch_size=token_batch_size,
+        expert_blocks=blocks,
+        progress=False,
+    )
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool) -> dict:
+    """`build_index` vs plain steps over the same 8192-token batches, interleaved; projection drawing
+    shows in the first round only if it is one-time per process."""
+    model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
+    exs = examples_for(model, examples)
+    path = Path("/tmp/e2e-index")
+    batches = [torch.tensor([ex.input_ids for ex in exs[i : i + 16]]) for i in range(0, examples, 16)]
+    tokens = examples * 512
+
+    def plain_pass() -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for ids in batches:
+            ids = ids.cuda()
+            plain_step(model, ids, torch.ones_like(ids), ids)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    plain_pass()  # warm-up
+    build_s, plain_s = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(rounds):
+        build_s.append(build_once(model, exs, path, p, "sum", 8192))
+        plain_s.append(plain_pass())
+    index = ma.load_index(path)
+    row = {
+        "row": f"build_index, qwen3 shape, {layers} layers, {examples}x512, sum blocks, p={p}",
+        "params": sum(q.numel() for q in model.parameters()),
+        "index_dim": index.gradients.shape[1],
+        "tokens": tokens,
+        "build_s": build_s,
+        "plain_s": plain_s,
+        "build_tok_s_first_round": tokens / build_s[0],
+        "build_tok_s": tokens / statistics.median(build_s[1:] or build_s),
+        "plain_tok_s": tokens / statistics.median(plain_s),
+    }
+    row["ratio_of_plain_tok_s"] = row["build_tok_s"] / row["plain_tok_s"]
+    row["ratio_first_round"] = row["build_tok_s_first_round"] / row["plain_tok_s"]
+    print(json.dumps(row), flush=True)
+    if profile:
+        profile_build(model, exs[:32], path, p)
+    shutil.rmtree(path, ignore_errors=True)
+    model = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def profile_build(model, exs, path: Path, p: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    build_once(model, exs, path, p, "sum", 8192)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        build_once(model, exs, path, p, "sum", 8192)
+    events = prof.key_averages()
+    cpu = sum(e.self_cpu_time_total for e in events) / 1e6
+    gpu = sum(e.self_device_time_total for e in events) / 1e6
+    calls = sum(e.count for e in events if e.key.startswith("aten::"))
+    syncs = sum(e.count for e in events if "item" in e.key or "_local_scalar_dense" in e.key)
+    print(f"== profile of a 2-batch build: self CPU {cpu:.2f} s, self GPU {gpu:.2f} s, aten calls {calls}, "
+          f"scalar reads {syncs}")  # fmt: skip
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=48))
+
+
+def memory_part(layers: int, examples: int, p: int) -> dict:
+    model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
+    weights = sum(q.numel() * q.element_size() for q in model.parameters())
+    exs = examples_for(model, examples)
+    path = Path("/tmp/e2e-index48")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    seconds = build_once(model, exs, path, p, "sum", 8192)
+    peak = torch.cuda.max_memory_allocated()
+    plain_peak = None
+    try:
+        ids = torch.tensor([ex.input_ids for ex in exs[:16]]).cuda()
+        torch.cuda.reset_peak_memory_stats()
+        plain_step(model, ids, torch.ones_like(ids), ids)
+        torch.cuda.synchronize()
+        plain_peak = torch.cuda.max_memory_allocated() / GiB
+    except torch.OutOfMemoryError as err:
+        plain_peak = f"out of memory: {str(err)[:120]}"
+    for q in model.parameters():
+        q.grad = None
+    row = {
+        "row": f"build_index peak memory, qwen3 shape, {layers} layers, 8192-token batches, sum blocks, p={p}",
+        "weights_gib": weights / GiB,
+        "build_peak_gib": peak / GiB,
+        "peak_over_weights": peak / weights,
+        "build_tok_s": examples * 512 / seconds,
+        "plain_step_peak_gib": plain_peak,
+    }
+    print(json.dumps(row), flush=True)
+    shutil.rmtree(path, ignore_errors=True)
+    del model
+    torch.cuda.empty_cache()
+    return row
+
+
+def phases_part(layers: int, p: int, steps: int, profile: bool = False) -> dict:
+    """Where a build's time goes on the full-depth model: the fixed costs of one `build_index` call
+    and, per 8192-token batch, the collection step with and without the host copy, vs a plain step."""
+    from moe_attrib.fingerprint import model_fingerprint
+    from moe_attrib.index import column_plan, flatten_batch
+
+    model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
+    ids = token_ids(model, 16, 512, seed=2).cuda()
+    mask = torch.ones_like(ids)
+
+    def clock(fn) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    row: dict = {"row": f"phases, qwen3 shape, {layers} layers, 16x512, p={p}"}
+    row["fingerprint_s"] = clock(lambda: model_fingerprint(model))
+    report = ma.discover(model, track_moe_experts=True, warn=False)
+    row["discover_s"] = clock(lambda: ma.discover(model, track_moe_experts=True, warn=False))
+    blocks = column_plan(report, p, "sum")
+    collector = GradientCollector(model, report, projection_dim=p)
+    row["enter_s"] = clock(collector.__enter__)
+    row["first_collect_s"] = clock(lambda: collector.collect(ids, mask, ids, fused_experts=True, expert_blocks="sum"))
+    row["second_collect_s"] = clock(lambda: collector.collect(ids, mask, ids, fused_experts=True, expert_blocks="sum"))
+    times: dict[str, list[float]] = {"plain": [], "collect": [], "collect_flatten": []}
+    for _ in range(steps):
+        times["plain"].append(clock(lambda: plain_step(model, ids, mask, ids)))
+        times["collect"].append(
+            clock(lambda: collector.collect(ids, mask, ids, fused_experts=True, expert_blocks="sum"))
+        )
+        times["collect_flatten"].append(
+            clock(
+                lambda: flatten_batch(
+                    collector.collect(ids, mask, ids, fused_experts=True, expert_blocks="sum"), report, blocks, "sum"
+                )
+            )
+        )
+    if profile:
+        from collect_speed import profile_steps
+
+        for sort_by in ("self_cpu_time_total", "self_device_time_total"):
+            profile_steps(
+                "collection step",
+                lambda: collector.collect(ids, mask, ids, fused_experts=True, expert_blocks="sum"),
+                sort_by=sort_by,
+            )
+            profile_steps("plain step", lambda: plain_step(model, ids, mask, ids), sort_by=sort_by)
+    collector.__exit__(None, None, None)
+    for key, values in times.items():
+        row[f"{key}_ms"] = statistics.median(values) * 1e3
+    row["collect_ratio"] = row["collect_ms"] / row["plain_ms"]
+    row["collect_flatten_ratio"] = row["collect_flatten_ms"] / row["plain_ms"]
+    print(json.dumps(row), flush=True)
+    model = None
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--parts", nargs="+", default=["collect", "phases", "build", "memory48"])
+    parser.add_argument("--projection_dim", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--build_layers", type=int, default=24)
+    parser.add_argument("--build_examples", type=int, default=128)
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of a build")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("e2e.py needs a CUDA GPU")
+    results: dict = {
+        "env": {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "moe_attrib": ma.__version__,
+            "moe_attrib_path": str(Path(ma.__file__).parent),
+        },
+        "args": vars(args),
+    }
+
+    def save() -> None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+    if "collect" in args.parts:
+        results["collect"] = collect_part(args.projection_dim, args.steps, args.rounds)
+        save()
+    if "phases" in args.parts:
+        results["phases"] = phases_part(args.build_layers, args.projection_dim, args.steps, args.profile)
+        save()
+    if "build" in args.parts:
+        results["build"] = build_part(
+            args.build_layers, args.build_examples, args.projection_dim, args.rounds, args.profile
+        )
+        save()
+    if "memory48" in args.parts:
+        results["memory48"] = memory_part(48, 64, args.projection_dim)
+        save()
+
+
+if __name__ == "__main__":
+    main()
