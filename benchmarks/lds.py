@@ -207,7 +207,18 @@ def bootstrap(values: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[floa
 
 
 # -- attribution variants -----------------------------------------------------------------------
-GROUPS = {"attention": "*.self_attn.*", "experts": "*.experts.*", "routers": "*.mlp.gate.*", "lm_head": "lm_head.*"}
+GROUPS = ("attention", "experts", "routers", "lm_head")
+
+
+def groups(model) -> dict[str, str]:
+    """Module-group globs over index block names (gpt_oss calls its routers `mlp.router`)."""
+    router = "router" if any(name.endswith(".mlp.router") for name, _ in model.named_modules()) else "gate"
+    return {
+        "attention": "*.self_attn.*",
+        "experts": "*.experts.*",
+        "routers": f"*.mlp.{router}.*",
+        "lm_head": "lm_head.*",
+    }
 
 
 class Attribution:
@@ -229,11 +240,15 @@ class Attribution:
             self.cache[key] = (index, q, np.asarray(index.gradients))
         return self.cache[key]
 
-    def ekfac(self, p: int | None, tracked: bool = True, sampled: bool | None = None, damping=None, scope=None):
+    def ekfac(
+        self, p: int | None, tracked: bool = True, sampled: bool | None = None, damping=None, scope=None, fold=None
+    ):
         """Factors fitted with the library's defaults except where given; damping re-applied without refitting."""
-        key = ("ekfac", p, tracked, sampled)
+        key = ("ekfac", p, tracked, sampled, fold)
         if key not in self.cache:
             kwargs = {} if sampled is None else {"sampled_labels": sampled}
+            if fold is not None:
+                kwargs["fold_bias"] = fold
             self.cache[key] = ma.fit_ekfac(self.model, self.examples, projection_dim=p, track_moe_experts=tracked,
                                            progress=False, **kwargs)  # fmt: skip
         ek = self.cache[key]
@@ -243,7 +258,7 @@ class Attribution:
 
     def scores(self, p=None, tracked=True, opt=False, ekfac=None, unit=False, group=None, per_module_unit=False):
         index, q, rows = self.get(p, tracked, opt)
-        modules = GROUPS[group] if group else None
+        modules = groups(self.model)[group] if group else None
         if not per_module_unit:
             return ma.score_matrix(index, q, ekfac=ekfac, unit_normalize=unit, modules=modules, device=self.device)
         pre = ma.prepare_queries(index, q, ekfac=ekfac).double().numpy()
@@ -286,6 +301,11 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
                 v[f"exact, {fisher} Fisher, damping {d:g} x mean over {scope}"] = att.scores(None, ekfac=ek, unit=unit0)
     v["exact, EK-FAC, per-module unit norm"] = att.scores(None, ekfac=ek_exact, per_module_unit=True)
     v["exact, no preconditioning, per-module unit norm"] = att.scores(None, per_module_unit=True)
+    if any(name.endswith(".bias") for name, _ in att.model.named_parameters()) or any(
+        name.endswith("_bias") for name, _ in att.model.named_parameters()
+    ):  # bias folding, decided by measurement (docs/quality.md)
+        v[f"default pipeline, biases not folded (p={p0})"] = att.scores(p0, ekfac=att.ekfac(p0, fold=False), unit=unit0)
+        v["exact rows, biases not folded"] = att.scores(None, ekfac=att.ekfac(None, fold=False), unit=unit0)
     v["TrackStar: Adam-normalised, unit"] = att.scores(None, opt=True, unit=True)
     v[f"TrackStar: Adam-normalised p={p0}, unit"] = att.scores(p0, opt=True, unit=True)
     return v
