@@ -174,7 +174,8 @@ def stream_rows(
                 used[j].record(compute)
             done_bytes += n * dim * index.gradients.itemsize
             bar.update(n)
-            bar.set_postfix(GB_s=f"{done_bytes / 1e9 / max(time.perf_counter() - began, 1e-9):.1f}")
+            if progress:
+                bar.set_postfix(GB_s=f"{done_bytes / 1e9 / max(time.perf_counter() - began, 1e-9):.1f}")
     finally:
         bar.close()
         pool.shutdown(wait=True, cancel_futures=True)
