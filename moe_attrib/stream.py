@@ -127,10 +127,10 @@ def stream_rows(
         return
     cuda = device.type == "cuda"
     dtype = TORCH_DTYPES[index.dtype]
-    source = _Source(index.gradients, reader, index.path)
     parts = threads or default_threads()
-    pool = ThreadPoolExecutor(parts, thread_name_prefix="moe-attrib-read")
     host = [_host_buffer(min(step, total), dim, dtype, cuda) for _ in range(min(_BUFFERS, len(starts)))]
+    source = _Source(index.gradients, reader, index.path)
+    pool = ThreadPoolExecutor(parts, thread_name_prefix="moe-attrib-read")
     if cuda:
         copy_stream = torch.cuda.Stream(device)
         compute = torch.cuda.current_stream(device)
