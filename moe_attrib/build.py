@@ -48,6 +48,7 @@ def build_index(
     optimizer_state: str | None = None,
     resume: bool = False,
     overwrite: bool = False,
+    index_dtype: str = "float32",
     pad_id: int = 0,
     extra_settings: dict | None = None,
     dist: Dist | None = None,
@@ -66,7 +67,8 @@ def build_index(
     The manifest records the model's weights fingerprint (`moe_attrib.fingerprint`), taken here
     before any expansion. An example with a non-finite loss or gradient stops the build with a
     `NonFiniteGradientError` naming it. `overwrite=True` replaces an existing index at `index`
-    (only its files); any other non-empty directory there is refused.
+    (only its files); any other non-empty directory there is refused. `index_dtype` ("float32",
+    "float16", "bfloat16") is how rows are stored (`moe_attrib.index`; docs/build.md).
     """
     from moe_attrib.version import __version__
 
@@ -128,10 +130,12 @@ def build_index(
     )
     collector = make_collector(model, report, projection_dim, seed, optimizer_state)  # setup errors: no DIR.part
     if dist.is_main:
-        writer = IndexWriter(index, manifest, resume=resume, token_offsets=offsets, overwrite=overwrite, **shape)
+        writer = IndexWriter(
+            index, manifest, resume=resume, token_offsets=offsets, overwrite=overwrite, index_dtype=index_dtype, **shape
+        )
     dist.barrier()
     if not dist.is_main:
-        writer = IndexWriter(index, manifest, create=False, **shape)
+        writer = IndexWriter(index, manifest, create=False, index_dtype=index_dtype, **shape)
 
     mine = [b for b in range(len(batches)) if b % dist.world == dist.rank and not writer.is_done(b)]
     tokens = sum(len(examples[i].input_ids) for b in mine for i in batches[b])

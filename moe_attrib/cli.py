@@ -140,6 +140,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 optimizer_state=args.optimizer_state,
                 resume=args.resume,
                 overwrite=args.overwrite,
+                index_dtype=args.index_dtype,
                 pad_id=pad,
                 extra_settings=data_settings(args, tokenizer),
                 dist=dist,
@@ -524,6 +525,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer_state",
         default=None,
         help="torch optimizer state / HF Trainer checkpoint: Adam/Adafactor normalisation",
+    )
+    build.add_argument(
+        "--index_dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="how rows are stored: 16-bit halves the index and scoring time (effect on scores: docs/build.md)",
     )
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
     build.add_argument("--overwrite", action="store_true", help="replace an existing index in DIR (only its files)")

@@ -1,5 +1,9 @@
 """The on-disk gradient index: a memory-mapped `[rows, dim]` matrix plus manifest, losses and counts.
 
+Rows are stored in the index's dtype (`index_dtype` in the manifest settings; float32 when absent):
+float32, float16, or bfloat16 kept as its raw bits in a uint16 `.npy` (numpy has no bfloat16).
+Readers widen them to float32 (`Index.read_rows`, `moe_attrib.stream`).
+
 A build writes under `DIR.part` and renames it to `DIR` only when every batch is written, so a
 directory named `DIR` is always complete. `done.npy` records finished batches; an interrupted
 build resumes from it and ends with the same bytes as an uninterrupted one.
@@ -17,6 +21,9 @@ import numpy as np
 from moe_attrib.discovery import CoverageReport, iter_entries
 
 FORMAT_VERSION = 1
+INDEX_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # stored numpy dtype
+DEFAULT_INDEX_DTYPE = "float32"
+DTYPE_MAX = {"float32": 3.4028234663852886e38, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 DEFAULT_PROJECTION_DIM = 32  # per side: a p x p block per weight (docs/quality.md)
 INDEX_FILES = (
     "manifest.json",
@@ -31,6 +38,38 @@ INDEX_FILES = (
 
 class IndexFileError(RuntimeError):
     """A missing, incomplete or corrupt index, or a build that cannot continue as asked."""
+
+
+class IndexDtypeError(ValueError):
+    """Rows that do not fit the index's storage dtype (a float16 overflow), or an unknown dtype."""
+
+
+def check_index_dtype(index_dtype: str) -> str:
+    """`index_dtype` itself when it is one of `INDEX_DTYPES`, else an `IndexDtypeError`."""
+    if index_dtype not in INDEX_DTYPES:
+        raise IndexDtypeError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, not {index_dtype!r}.")
+    return index_dtype
+
+
+def to_stored(rows: np.ndarray, index_dtype: str) -> np.ndarray:
+    """float32 rows in the storage dtype: float16 rounded to nearest, bfloat16 rounded to nearest
+    even and returned as its uint16 bits."""
+    if index_dtype == "float32":
+        return np.asarray(rows, dtype=np.float32)
+    if index_dtype == "float16":
+        with np.errstate(over="ignore"):  # an overflow is the writer's error, naming the example
+            return np.asarray(rows, dtype=np.float32).astype(np.float16)
+    import torch
+
+    bf16 = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).to(torch.bfloat16)
+    return bf16.view(torch.int16).numpy().view(np.uint16)
+
+
+def to_float32(stored: np.ndarray, index_dtype: str) -> np.ndarray:
+    """Stored rows widened to float32 (exact: every float16 / bfloat16 value is a float32 value)."""
+    if index_dtype == "bfloat16":
+        return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(stored, dtype=np.float32)
 
 
 @dataclass
@@ -123,11 +162,15 @@ class IndexWriter:
         examples: int | None = None,
         token_offsets: np.ndarray | None = None,
         overwrite: bool = False,
+        index_dtype: str = DEFAULT_INDEX_DTYPE,
     ):
         self.examples = rows if examples is None else examples
         self.final = Path(path)
         self.dir = part_dir(path)
         self.overwrite = overwrite
+        self.index_dtype = check_index_dtype(index_dtype)
+        manifest = {**manifest, "settings": {**manifest["settings"], "index_dtype": index_dtype}}
+        self.example_ids = manifest.get("example_ids")
         if create:
             self._prepare(manifest, rows, dim, layers, experts, num_batches, resume, token_offsets)
         self._open()
@@ -140,6 +183,7 @@ class IndexWriter:
                     f"{self.dir} holds an interrupted build; pass --resume to continue it or delete it to start over."
                 )
             old = json.loads((self.dir / "manifest.json").read_text())
+            old["settings"].setdefault("index_dtype", DEFAULT_INDEX_DTYPE)  # a build from before the key
             diff = sorted(
                 k
                 for k in set(old["settings"]) | set(manifest["settings"])
@@ -152,7 +196,8 @@ class IndexWriter:
                 raise IndexFileError(f"cannot resume {self.dir}: settings differ ({details}).")
             return
         self.dir.mkdir(parents=True)
-        np.lib.format.open_memmap(self.dir / "gradients.npy", mode="w+", dtype=np.float32, shape=(rows, dim)).flush()
+        stored = INDEX_DTYPES[self.index_dtype]
+        np.lib.format.open_memmap(self.dir / "gradients.npy", mode="w+", dtype=stored, shape=(rows, dim)).flush()
         examples = self.examples
         np.lib.format.open_memmap(self.dir / "losses.npy", mode="w+", dtype=np.float32, shape=(examples,)).flush()
         np.lib.format.open_memmap(
@@ -168,6 +213,13 @@ class IndexWriter:
         self.losses = np.load(self.dir / "losses.npy", mmap_mode="r+")
         self.counts = np.load(self.dir / "expert_counts.npy", mmap_mode="r+")
         self.done = np.load(self.dir / "done.npy", mmap_mode="r+")
+        if self.gradients.dtype != INDEX_DTYPES[self.index_dtype]:
+            raise IndexFileError(
+                f"{self.dir}/gradients.npy holds {self.gradients.dtype} rows, not {self.index_dtype}: resume with the "
+                "--index_dtype it was started with, or delete it and build again."
+            )
+        offsets = self.dir / "token_offsets.npy"
+        self.token_offsets = np.load(offsets) if offsets.exists() else None
 
     def is_done(self, batch: int) -> bool:
         return bool(self.done[batch])
@@ -182,9 +234,13 @@ class IndexWriter:
         counts: np.ndarray,
     ):
         """Write one batch (gradient `rows`, per-example `losses`/`counts` of `examples`), flush,
-        and only then mark the batch done."""
+        and only then mark the batch done. Rows are stored in the index dtype; a finite value that
+        the dtype cannot hold (float16 beyond +-65504) is an `IndexDtypeError` naming its examples."""
+        stored = to_stored(gradients, self.index_dtype)
+        if self.index_dtype != "float32":
+            self._check_range(rows, gradients, stored)
         order = np.argsort(rows)
-        self.gradients[rows[order]] = gradients[order]
+        self.gradients[rows[order]] = stored[order]
         order = np.argsort(examples)
         self.losses[examples[order]] = losses[order]
         self.counts[examples[order], : counts.shape[1], : counts.shape[2]] = counts[order]
@@ -192,6 +248,21 @@ class IndexWriter:
             arr.flush()
         self.done[batch] = 1
         self.done.flush()
+
+    def _check_range(self, rows: np.ndarray, gradients: np.ndarray, stored: np.ndarray) -> None:
+        lost = ~np.isfinite(to_float32(stored, self.index_dtype)).all(axis=1) & np.isfinite(gradients).all(axis=1)
+        if not lost.any():
+            return
+        positions = np.asarray(rows)[lost]
+        if self.token_offsets is not None:
+            positions = np.searchsorted(self.token_offsets, positions, side="right") - 1
+        ids = sorted({int(self.example_ids[p]) if self.example_ids else int(p) for p in positions})
+        peak = float(np.abs(gradients[lost]).max())
+        raise IndexDtypeError(
+            f"example(s) {ids[:10]} (row numbers of the data) have gradient values up to {peak:.3g}, beyond "
+            f"{self.index_dtype}'s range (max {DTYPE_MAX[self.index_dtype]:.6g}), which would be stored as inf. "
+            f"Build with --index_dtype bfloat16 or float32 instead; delete {self.dir} and build again."
+        )
 
     def finish(self) -> Path:
         """Check every batch is written, mark the manifest complete and move `DIR.part` to `DIR`."""
@@ -257,6 +328,16 @@ class Index:
     def blocks(self) -> list[Block]:
         return [Block(b["name"], b["start"], b["stop"], tuple(b["shape"])) for b in self.manifest["blocks"]]
 
+    @property
+    def dtype(self) -> str:
+        """How rows are stored: "float32" (also an index from before the setting), "float16" or
+        "bfloat16" (`gradients` then holds its uint16 bits)."""
+        return self.manifest["settings"].get("index_dtype", DEFAULT_INDEX_DTYPE)
+
+    def read_rows(self, rows) -> np.ndarray:
+        """Rows `gradients[rows]` (any numpy index) as float32, whatever the storage dtype."""
+        return to_float32(self.gradients[rows], self.dtype)
+
 
 def load_index(path: str | Path) -> Index:
     """Open a finished index; a missing, incomplete or corrupt one is a clear `IndexFileError`."""
@@ -278,6 +359,12 @@ def load_index(path: str | Path) -> Index:
         counts = np.load(path / "expert_counts.npy", mmap_mode="r")
     except (OSError, ValueError) as err:
         raise IndexFileError(f"{path}: corrupt index file ({err}).") from err
+    index_dtype = manifest.get("settings", {}).get("index_dtype", DEFAULT_INDEX_DTYPE)
+    if index_dtype not in INDEX_DTYPES or gradients.dtype != INDEX_DTYPES[index_dtype]:
+        raise IndexFileError(
+            f"{path}: corrupt index: gradients.npy holds {gradients.dtype} but the manifest's index_dtype is "
+            f"{index_dtype!r} (known: {', '.join(INDEX_DTYPES)}); rebuild the index."
+        )
     rows, dim, examples = manifest["rows"], manifest["dim"], manifest["examples"]
     if gradients.shape != (rows, dim) or losses.shape != (examples,) or counts.shape[0] != examples:
         raise IndexFileError(

@@ -69,6 +69,7 @@ def _index_summary(path: Path, m: dict) -> list[tuple[str, str]]:
     ]
     shown = ("projection_dim", "seed", "expert_blocks", "track_moe_experts", "filter_modules", "optimizer_state")
     lines += [("settings", ", ".join(f"{k}={s[k]}" for k in shown if k in s))]
+    lines += [("index_dtype", f"{s.get('index_dtype', 'float32')} (rows as stored; read as float32)")]
     lines += [(k, str(s[k])) for k in ("dtype", "max_length", "truncate", "token_batch_size") if k in s]
     lines += _fingerprints(m, s)
     lines += [("version", f"moe-attrib {m.get('moe_attrib_version')}, format {m.get('format_version')}")]

@@ -2,7 +2,9 @@
 
 A score is the inner product of a query's projected gradient with a training row, optionally
 after EK-FAC preconditioning of the query (`g_q^T (F + damping)^-1 g_train`) and/or unit
-normalisation (cosine). The index is read in row blocks, so it never has to fit in memory.
+normalisation (cosine). The index is streamed in row blocks (`moe_attrib.stream`: threaded reads,
+pinned double buffers, copies overlapped with the arithmetic), so it never has to fit in memory;
+the running top-k stays on the device and is read back once.
 """
 
 from __future__ import annotations
@@ -14,15 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.fingerprint import check_model, check_settings_match
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
+from moe_attrib.stream import DEFAULT_BLOCK_BYTES, DEFAULT_READER, ToHost, stream_rows
 
-DEFAULT_BLOCK_BYTES = 1 << 30  # index bytes read per block
 DEFAULT_UNIT_NORMALIZE = True  # cosine after preconditioning (docs/quality.md)
 UNDEFINED = torch.finfo(torch.float32).min  # rank of a non-finite score; reported as NaN
 
@@ -131,20 +132,21 @@ def row_blocks(
     unit_normalize: bool,
     progress: bool = False,
     modules: str | None = None,
+    *,
+    block_rows: int | None = None,
+    threads: int | None = None,
+    reader: str = DEFAULT_READER,
 ):
-    """`(start, rows)` over the index in blocks of at most `block_bytes` bytes, rows on `device`
-    (restricted to the `modules` blocks and unit-normalised over them when asked)."""
-    total, dim = index.gradients.shape
+    """`(start, rows)` over the index in blocks of at most `block_bytes` stored bytes (or `block_rows`
+    rows), float32 rows on `device` (restricted to the `modules` blocks and unit-normalised over
+    them when asked). A block is valid until the next is asked for (`moe_attrib.stream`)."""
     mask = module_columns(index.blocks, modules)
     mask = None if mask is None else mask.to(device)
-    step = max(1, block_bytes // max(1, 4 * dim))
-    bar = tqdm(total=total, unit="row", unit_scale=True, desc="score", disable=not progress)
-    for start in range(0, total, step):
-        rows = torch.from_numpy(np.array(index.gradients[start : start + step])).to(device)
-        rows = _as_scored(rows, mask, unit_normalize)
-        yield start, rows
-        bar.update(rows.shape[0])
-    bar.close()
+    stream = stream_rows(
+        index, device, block_bytes=block_bytes, block_rows=block_rows, threads=threads, reader=reader, progress=progress
+    )
+    for start, rows in stream:
+        yield start, _as_scored(rows, mask, unit_normalize)
 
 
 def _as_scored(rows: torch.Tensor, mask: torch.Tensor | None, unit_normalize: bool) -> torch.Tensor:
@@ -173,22 +175,24 @@ def score(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     device: str | torch.device | None = None,
     progress: bool = False,
+    threads: int | None = None,
+    reader: str = DEFAULT_READER,
 ) -> Scores:
     """Top-k training rows for each query row (`[Q, dim]`, in the index's column layout).
 
-    The index is streamed in blocks of `block_bytes` (or `block_rows` rows) with a running top-k,
-    so memory stays bounded whatever the index size. `modules` (a glob over block names) scores
+    The index is streamed in blocks of `block_bytes` stored bytes (or `block_rows` rows) with a
+    running top-k on the device, so memory stays bounded whatever the index size; `threads` and
+    `reader` tune the reads (`moe_attrib.stream`). `modules` (a glob over block names) scores
     through those blocks only.
     """
     device = _device(device)
     q = prepare_queries(index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules).to(device)
     blocks = index.blocks
-    if block_rows is not None:
-        block_bytes = block_rows * 4 * index.gradients.shape[1]
     k = min(top_k, index.gradients.shape[0])
     best_v = torch.full((q.shape[0], k), -torch.inf, device=device)
     best_i = torch.zeros((q.shape[0], k), dtype=torch.long, device=device)
-    for start, rows in row_blocks(index, device, block_bytes, unit_normalize, progress, modules):
+    opts = dict(block_rows=block_rows, threads=threads, reader=reader)
+    for start, rows in row_blocks(index, device, block_bytes, unit_normalize, progress, modules, **opts):
         s = q @ rows.T
         s = s.masked_fill(~s.isfinite(), UNDEFINED)  # a NaN/inf row never ranks first (but above the -inf fill)
         v, i = torch.cat([best_v, s], dim=1).topk(k, dim=1)
@@ -198,7 +202,7 @@ def score(
     parts = None
     if per_module:
         hit_rows = np.sort(np.unique(best_i.cpu().numpy()))
-        hits = torch.from_numpy(np.array(index.gradients[hit_rows])).to(device)
+        hits = torch.from_numpy(index.read_rows(hit_rows)).to(device)
         lookup = {int(r): n for n, r in enumerate(hit_rows)}
         rows = hits[[lookup[int(r)] for r in best_i.reshape(-1)]].view(*best_i.shape, -1)
         mask = module_columns(blocks, modules)
@@ -219,11 +223,16 @@ def score_matrix(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     device: str | torch.device | None = None,
     progress: bool = False,
+    block_rows: int | None = None,
+    threads: int | None = None,
+    reader: str = DEFAULT_READER,
 ) -> np.ndarray:
-    """Every score: `[Q, rows]` float32, streamed over the index in blocks of `block_bytes`.
+    """Every score: `[Q, rows]` float32, streamed over the index in blocks of `block_bytes` stored
+    bytes (or `block_rows` rows), as `score` streams it.
 
     With `out` (a `.npy` path) the matrix is written to a memory-mapped file as it is computed
-    and returned memory-mapped, so neither the index nor the scores need to fit in memory.
+    and returned memory-mapped, so neither the index nor the scores need to fit in memory. On
+    CUDA each block's scores come back through a pinned buffer while the next block is scored.
     """
     device = _device(device)
     q = prepare_queries(index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules).to(device)
@@ -232,8 +241,13 @@ def score_matrix(
         result = np.empty(shape, dtype=np.float32)
     else:
         result = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=shape)
-    for start, rows in row_blocks(index, device, block_bytes, unit_normalize, progress, modules):
-        result[:, start : start + rows.shape[0]] = (q @ rows.T).cpu().numpy()
+    back = ToHost(device)
+    opts = dict(block_rows=block_rows, threads=threads, reader=reader)
+    for start, rows in row_blocks(index, device, block_bytes, unit_normalize, progress, modules, **opts):
+        for at, values in back.push(start, q @ rows.T):
+            result[:, at : at + values.shape[1]] = values
+    for at, values in back.drain():
+        result[:, at : at + values.shape[1]] = values
     if out is not None:
         result.flush()
     return result
