@@ -14,13 +14,14 @@ from moe_attrib import cli
 from moe_attrib.ekfac import load_ekfac
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.index import load_index
+from moe_attrib.results import read_results
 from moe_attrib.zoo import save_tiny, tiny_config
 from tests.conftest import run_torchrun
 from tests.fsdp_driver import EKFAC_ARGS
 from tests.test_build import CORPUS, ENV, texts
 
 FAMILIES = ["gpt_oss", "deepseek_v3", "deepseek_v4"]
-COMMON = ["--track_moe_experts", "--projection_dim", "8", "--token_batch_size", "64", "--precision", "fp32"]
+COMMON = ["--track_moe_experts", "--projection_dim", "8", "--token_batch_size", "80", "--precision", "fp32"]
 
 
 def save_family(path: Path, family: str) -> None:
@@ -73,6 +74,14 @@ def test_fsdp_two_ranks_equal_one_process(sharded_runs, family):
             want, got = getattr(f, field), getattr(g, field)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7 * float(want.abs().max()), msg=f"{name}.{field}")
     assert "memory plan per rank (FSDP2 over 2 ranks)" in res.stdout
+    scores = work / family / "scores.jsonl"
+    index = str(work / family / "fsdp_index")
+    assert cli.main(["score", "--index", index, model, str(CORPUS), "--out", str(scores)]) == 0
+    plain, sharded = read_results(scores), read_results(work / family / "fsdp_scores.jsonl")
+    assert len(plain) == len(sharded) == one.gradients.shape[0]
+    for p, s in zip(plain, sharded, strict=True):
+        assert [h["example"] for h in p["results"]] == [h["example"] for h in s["results"]]
+        np.testing.assert_allclose([h["score"] for h in s["results"]], [h["score"] for h in p["results"]], rtol=1e-5)
 
 
 def test_lazy_shard_loading_matches_transformers(tmp_path):
