@@ -328,7 +328,10 @@ def cmd_score(args: argparse.Namespace) -> int:
             from moe_attrib.distributed import setup
             from moe_attrib.sharding import load_sharded
 
-            dist = setup(args.device, fsdp=True)
+            try:
+                dist = setup(args.device, fsdp=True)
+            except RuntimeError as err:
+                raise UsageError(str(err)) from err
             device, model = dist.device, load_sharded(args.model, dtype, dist)
         else:
             dist, model = None, load_model(args.model, dtype)
@@ -349,9 +352,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
         if args.all_scores:
             score_matrix(index, q, out=args.all_scores, **opts)
-    except (
-        DataError, IndexFileError, ScoreError, FingerprintError, UsageError, FileNotFoundError, ValueError, RuntimeError
-    ) as err:  # fmt: skip
+    except (DataError, IndexFileError, ScoreError, FingerprintError, UsageError, FileNotFoundError, ValueError) as err:
         print(f"moe-attrib score: error: {err}", file=sys.stderr)
         return 2
     from moe_attrib.results import ResultsError
