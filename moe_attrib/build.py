@@ -129,6 +129,7 @@ def build_index(
         examples=len(examples),
     )
     collector = make_collector(model, report, projection_dim, seed, optimizer_state)  # setup errors: no DIR.part
+    collector.exact_lengths = dist.fsdp  # no per-rank retry of a batch: ranks of a sharded model run in lockstep
     if dist.is_main:
         writer = IndexWriter(
             index, manifest, resume=resume, token_offsets=offsets, overwrite=overwrite, index_dtype=index_dtype, **shape
@@ -142,7 +143,7 @@ def build_index(
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc=f"build rank {dist.rank}", disable=not progress)
     start = time.perf_counter()
     with collector:
-        for b in mine:
+        for b, real in dist.lockstep(mine, filler=0):
             ids, mask = collate(examples, batches[b], pad_id)
             out = collector.collect(
                 ids.to(dist.device),
@@ -152,6 +153,8 @@ def build_index(
                 per_token=attribute_tokens,
                 expert_blocks=expert_blocks,
             )
+            if not real:  # a sharded model's filler step (see Dist.lockstep)
+                continue
             grads = flatten_batch(out, report, blocks, expert_blocks, per_token=attribute_tokens)
             members = np.asarray(batches[b])
             check_finite(grads, out.losses.float().cpu().numpy(), [examples[i].index for i in members], index)

@@ -80,9 +80,25 @@ def load_inputs(args: argparse.Namespace, dist):
 
     tokenizer = load_tokenizer(args.model, args.tokenizer)
     examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate, args.split)
-    model = load_model(args.model, resolve_precision(args.precision, dist.device)).to(dist.device)
+    dtype = resolve_precision(args.precision, dist.device)
+    if dist.fsdp:
+        from moe_attrib.sharding import load_sharded
+
+        model = load_sharded(args.model, dtype, dist)
+    else:
+        model = load_model(args.model, dtype).to(dist.device)
     check_token_ids(examples, model.get_input_embeddings().num_embeddings, args.data)
     return tokenizer, examples, model, getattr(tokenizer, "pad_token_id", None) or 0
+
+
+def print_sharding_plan(args: argparse.Namespace, model, dist, factors: bool = False) -> None:
+    """`--fsdp`: the memory plan per rank (parameters, activations, routed grid, factors) before the run."""
+    if not dist.fsdp or not dist.is_main:
+        return
+    from moe_attrib.sharding import format_memory_plan, memory_plan
+
+    plan = memory_plan(model, dist.world, args.token_batch_size, projection(args), args.track_moe_experts, factors)
+    print(format_memory_plan(plan), flush=True)
 
 
 def data_settings(args: argparse.Namespace, tokenizer) -> dict:
@@ -121,10 +137,15 @@ def cmd_build(args: argparse.Namespace) -> int:
     except (UsageError, IndexFileError) as err:
         print(f"moe-attrib build: error: {err}", file=sys.stderr)
         return 2
-    dist = setup(args.device)
+    try:
+        dist = setup(args.device, fsdp=args.fsdp)
+    except RuntimeError as err:
+        print(f"moe-attrib build: error: {err}", file=sys.stderr)
+        return 2
     try:
         with notes():
             tokenizer, examples, model, pad = load_inputs(args, dist)
+            print_sharding_plan(args, model, dist)
             path = build_index(
                 model,
                 examples,
@@ -152,7 +173,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         else:
             print("\ninterrupted before anything was written; run the command again.", file=sys.stderr)
         return 130
-    except (DataError, IndexFileError, LayoutError, UsageError, ValueError) as err:  # OptimizerStateError too
+    except (DataError, IndexFileError, LayoutError, UsageError, ValueError) as err:  # OptimizerStateError
         print(f"moe-attrib build: error: {err}", file=sys.stderr)
         return 2
     if dist.is_main:
@@ -206,10 +227,15 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
         from moe_attrib.index import DEFAULT_PROJECTION_DIM
 
         args.projection_dim = DEFAULT_PROJECTION_DIM
-    dist = setup(args.device)
+    try:
+        dist = setup(args.device, fsdp=args.fsdp)
+    except RuntimeError as err:
+        print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
+        return 2
     try:
         with notes():
             tokenizer, examples, model, pad = load_inputs(args, dist)
+            print_sharding_plan(args, model, dist, factors=True)
             if index is not None:
                 check_model(index.manifest["settings"], model, tokenizer, what=f"index {args.index}")
             result = fit_ekfac(
@@ -298,14 +324,28 @@ def cmd_score(args: argparse.Namespace) -> int:
         check_model(settings, None, tokenizer, what=f"index {args.index}")
         train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
         queries = load_examples(args.queries, tokenizer, args.text_field, settings.get("max_length"), True)
-        model = load_model(args.model, getattr(torch, settings["dtype"].removeprefix("torch.")))
+        dtype = getattr(torch, settings["dtype"].removeprefix("torch."))
+        if args.fsdp:  # query gradients with the model sharded over torchrun's ranks; rank 0 scores
+            from moe_attrib.distributed import setup
+            from moe_attrib.sharding import load_sharded
+
+            try:
+                dist = setup(args.device, fsdp=True)
+            except RuntimeError as err:
+                raise UsageError(str(err)) from err
+            device, model = dist.device, load_sharded(args.model, dtype, dist)
+        else:
+            dist, model = None, load_model(args.model, dtype)
         check_model(settings, model, what=f"index {args.index}")
         check_token_ids(queries, model.get_input_embeddings().num_embeddings, args.queries)
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = model.to(device)
+        if dist is None:
+            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            model = model.to(device)
         ekfac = load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]) if ekfac_dirs else None
         pad = getattr(tokenizer, "pad_token_id", None) or 0
         q, query_counts = query_gradients(model, queries, index, pad_id=pad, with_counts=True)
+        if dist is not None and not dist.is_main:
+            return 0
         if ekfac is not None and (args.damping is not None or args.damping_scope is not None):
             damping = ekfac.settings.get("damping") if args.damping is None else args.damping
             ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
@@ -433,6 +473,10 @@ def add_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory, for a model directory without one")
     parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--fsdp", action="store_true", help=FSDP_HELP)
+
+
+FSDP_HELP = "under torchrun: shard the model over the ranks with FSDP2 (models larger than one device)"
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -578,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--tokenizer", default=None, help="default: the index's --tokenizer, else the model's")
     sc.add_argument("--no_texts", action="store_true", help="do not re-read the training data; hits have no text")
     sc.add_argument("--device", default=None)
+    sc.add_argument("--fsdp", action="store_true", help=FSDP_HELP + " (query gradients; rank 0 scores)")
     sc.add_argument("--out", required=True, help="results file: .jsonl, .csv or .tsv (by extension)")
     sc.add_argument("--id_field", default=None, help="carry only this field of the records as `id` (default: all)")
     sc.add_argument("--report", default=None, metavar="FILE", help="also write the HTML report to FILE")

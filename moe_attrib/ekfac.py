@@ -326,10 +326,12 @@ def fit_ekfac(
             torch.zeros(*lead, g, g, dtype=torch.float64, device=fdev),
             torch.zeros(lead, dtype=torch.float64, device=fdev),
         )
-    mine = _batches(examples, token_batch_size, dist)
+    shortest = min(range(len(examples)), key=lambda i: len(examples[i].input_ids))
+    steps = dist.lockstep(_batches(examples, token_batch_size, dist), filler=(0, [shortest]))
+    live = [True]  # False on a sharded model's filler steps (see Dist.lockstep): nothing is accumulated
 
     def run(collector: GradientCollector, desc: str, each) -> None:
-        for number, positions in tqdm(mine, desc=f"{desc} rank {dist.rank}", disable=not progress):
+        for (number, positions), live[0] in tqdm(steps, desc=f"{desc} rank {dist.rank}", disable=not progress):
             torch.manual_seed(seed * 1_000_003 + number)  # sampled labels: the same draws in any world size
             ids, mask = collate(examples, positions, pad_id)
             labels = labels_for(examples, positions, ids, mask)  # the loss of the index and query rows
@@ -340,11 +342,17 @@ def fit_ekfac(
                 fused_experts=True,
                 sample_labels=sampled_labels,
             )
-            each(batch)
+            if live[0]:
+                each(batch)
 
     sink = _Accumulator(factors)
     with GradientCollector(
-        model, report, projection_dim=projection_dim, seed=seed, row_sink=sink, exact_lengths=True
+        model,
+        report,
+        projection_dim=projection_dim,
+        seed=seed,
+        row_sink=lambda records, batch: sink(records, batch) if live[0] else None,
+        exact_lengths=True,
     ) as collector:
         gen_state = torch.random.get_rng_state()
         run(collector, "ekfac covariances", lambda out: None)

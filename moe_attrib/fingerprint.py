@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from moe_attrib.sharding import sample_values
+
 SAMPLES_PER_TENSOR = 1024
 
 
@@ -27,16 +29,17 @@ def model_fingerprint(model: nn.Module) -> str:
 
     Call it on the model as loaded (before `expand_moe`). Values are hashed as float32, so a
     model stored in bf16 and loaded in fp32 hashes like the same model loaded in bf16; the
-    dtype is not part of the hash (record it separately). Same value on CPU and GPU.
+    dtype is not part of the hash (record it separately). Same value on CPU and GPU, and for a
+    model sharded with FSDP2 (`--fsdp`; every rank must call it then: samples are gathered).
     """
     h = hashlib.sha256()
     with torch.no_grad():
         for name, tensor in sorted(model.state_dict().items()):
             if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
                 continue
-            flat = tensor.detach().reshape(-1)
-            stride = max(1, flat.numel() // SAMPLES_PER_TENSOR)
-            sample = flat[::stride][:SAMPLES_PER_TENSOR]
+            numel = tensor.numel()
+            stride = max(1, numel // SAMPLES_PER_TENSOR)
+            sample = sample_values(tensor, torch.arange(0, numel, stride)[:SAMPLES_PER_TENSOR])
             sample = sample.float() if sample.is_floating_point() or sample.is_complex() else sample.long()
             h.update(f"{name}|{tuple(tensor.shape)}|".encode())
             h.update(np.ascontiguousarray(sample.cpu().numpy()).tobytes())

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from moe_attrib.discovery import Target
 from moe_attrib.layouts import LayoutError
+from moe_attrib.sharding import is_sharded
 
 OnUse = Callable[[Target, torch.Tensor, torch.Tensor, bool], None]
 
@@ -51,11 +52,18 @@ class LinearTap(TorchFunctionMode):
         self.tracked: dict[int, tuple[torch.Tensor, Target, bool]] = {
             id(t.module.weight): (t.module.weight, t, False) for t in targets
         }
+        self.targets = targets
         self.on_use = on_use
         self.stack = stack
         self.hit: set[str] = set()
         self.uses: dict[str, set[nn.Module]] = {}
         self.other_uses: dict[str, str] = {}  # first batch: a watched weight passed to another function
+
+    def follow_current_weights(self) -> None:
+        """Also follow the tensors the targets' `.weight` attributes hold now: FSDP2 (`--fsdp`) swaps a
+        sharded parameter for its gathered one while its layer runs."""
+        for t in self.targets:
+            self.tracked.setdefault(id(t.module.weight), (t.module.weight, t, False))
 
     def _use(self, entry, x, out, weight_left: bool = False) -> None:
         target = entry[1]
@@ -127,10 +135,13 @@ class WeightTaps:
         stack: list[nn.Module] = []
         ran: set[int] = set()
         hooks = []
+        sharded = is_sharded(self.model)
 
         def push(module, args) -> None:
             stack.append(module)
             ran.add(id(module))
+            if sharded:
+                tap.follow_current_weights()
 
         def pop(module, args, out) -> None:
             stack.pop()

@@ -41,3 +41,33 @@ def test_cuda_exact_matches_cuda_autograd(family, dtype, padded_batch):
         assert float(errs.max()) < 1e-3  # tf32 matmuls may be on
     else:
         assert float(errs.median()) < 5e-2
+
+
+def test_fsdp_one_rank_matches_plain_path_and_step_time(tmp_path):
+    """`--fsdp` with one rank on the GPU: the index of the plain path (bf16 tolerance), step time within 10%.
+
+    Runs benchmarks/fsdp_step_time.py under `torchrun --nproc_per_node 1` (qwen3_moe-shaped bf16 model)."""
+    import json
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import run_torchrun
+
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    script = Path(__file__).parents[1] / "benchmarks" / "fsdp_step_time.py"
+    out = tmp_path / "fsdp_step_time.json"
+    env = {**__import__("os").environ, "PYTHONPATH": str(script.parents[1])}
+    res = run_torchrun(
+        [torchrun, "--nproc_per_node=1", str(script), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    result = json.loads(out.read_text())
+    print(json.dumps(result, indent=1))
+    assert result["fingerprints_equal"]
+    assert result["row_rel_err"]["median"] < 1e-2 and result["row_rel_err"]["max"] < 5e-2, result["row_rel_err"]
+    assert result["step_ratio"] < 1.10, result

@@ -1,0 +1,311 @@
+"""FSDP2 sharding for collection (`--fsdp` under torchrun): models larger than one device.
+
+Each decoder layer (and the root: embeddings, final norm, head) is one `fully_shard` unit, so a
+rank holds 1/K of every parameter outside the layer running now; a layer's parameters are gathered
+for its forward and again for its backward (collection needs activation gradients only, and the
+backward through the experts' matmuls needs the weights). The model is built on the meta device
+and each rank reads only its own rows of every tensor from the checkpoint's safetensors (memory
+mapped, so ranks of one host share the page cache): host memory per rank is its shard, whatever K.
+Checkpoints stored per expert (`experts.<e>.gate_proj.weight`, which transformers fuses on load)
+are fused here too, from the rank's own experts only, with transformers' own conversion rules.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from moe_attrib.distributed import Dist
+
+
+class ShardingError(ValueError):
+    """A model or checkpoint that `--fsdp` cannot shard or load shard by shard."""
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers (the longest `nn.ModuleList` of the model): one FSDP unit each."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ShardingError(f"{type(model).__name__}: no decoder layer list (nn.ModuleList) to shard with --fsdp.")
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def shard_model(model: nn.Module, dist: Dist) -> nn.Module:
+    """`fully_shard` every decoder layer, then the root, over all ranks (in place; returns `model`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dist.device.type, (dist.world,))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(_is_dtensor(p) for p in model.parameters())
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """Rows `[start, stop)` of dim 0 that this rank's shard of DTensor `t` holds (FSDP2: torch.chunk)."""
+    from torch.distributed.tensor import Shard
+
+    placements = t.placements
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise ShardingError(f"unexpected placement {placements} (FSDP2 shards dim 0).")
+    mesh = t.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    rows = t.shape[0]
+    chunk = -(-rows // world) if rows else 0
+    start = min(rank * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def sample_values(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`t.reshape(-1)[positions]` of a tensor that may be an FSDP2-sharded DTensor (gathered: only
+    the sampled values travel, never the whole tensor). Every rank must call it, in the same order."""
+    if not _is_dtensor(t):
+        return t.detach().reshape(-1)[positions.to(t.device)]
+    start, stop = local_rows(t)
+    per_row = t[0].numel() if t.dim() > 0 and t.shape[0] else 1
+    local = t.to_local().detach().reshape(-1)
+    lo, hi = start * per_row, stop * per_row
+    mine = (positions >= lo) & (positions < hi)
+    device = local.device
+    values = torch.zeros(positions.numel(), dtype=torch.float64, device=device)
+    values[mine.to(device)] = local[(positions[mine] - lo).to(device)].double()
+    hits = mine.to(device=device, dtype=torch.float64)
+    stacked = torch.stack([values, hits])
+    gathered = [torch.empty_like(stacked) for _ in range(t.device_mesh.size())]
+    tdist.all_gather(gathered, stacked, group=t.device_mesh.get_group())
+    out = torch.zeros_like(values)
+    for part in gathered:  # each position is held by one rank: pick it (sums would turn -0.0 into 0.0)
+        out = torch.where(part[1] > 0, part[0], out)
+    return out.to(t.dtype)
+
+
+# -- loading ------------------------------------------------------------------------------------------
+def _checkpoint_keys(directory: Path) -> dict[str, Path]:
+    """Every tensor key of the checkpoint's safetensors files -> the file holding it."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: directory / f for k, f in weight_map.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ShardingError(
+            f"{directory}: no *.safetensors files; --fsdp reads checkpoints lazily from safetensors only "
+            "(re-save the model with save_pretrained(safe_serialization=True))."
+        )
+    keys = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            keys.update(dict.fromkeys(fh.keys(), f))
+    return keys
+
+
+class _Reader:
+    """Row slices of checkpoint tensors, read lazily from memory-mapped safetensors files."""
+
+    def __init__(self, directory: Path):
+        self.keys = _checkpoint_keys(directory)
+        self.handles: dict[Path, object] = {}
+
+    def rows(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f = self.keys[key]
+        if f not in self.handles:
+            self.handles[f] = safe_open(str(f), "pt")
+        part = self.handles[f].get_slice(key)
+        if start is None or not part.get_shape():
+            return part[:]
+        return part[start:stop]
+
+
+class _Plan:
+    """Where each model key comes from: a checkpoint key, or per-expert keys fused by a transformers
+    `WeightConverter` (the same renaming transformers applies on load, `rename_source_key`)."""
+
+    def __init__(self, model: nn.Module, reader: _Reader):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        mapping = get_model_conversion_mapping(model)
+        renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+        converters = [m for m in mapping if isinstance(m, WeightConverter)]
+        meta = dict(model.state_dict())
+        prefix = getattr(model, "base_model_prefix", None)
+        self.direct: dict[str, str] = {}
+        self.fused: dict[str, tuple[object, dict[str, dict[int, str]]]] = {}
+        for ckpt in reader.keys:
+            key, pattern = rename_source_key(ckpt, renamings, converters, prefix, meta)
+            if key not in meta and ckpt in meta:
+                key, pattern = ckpt, None
+            if pattern is None:
+                self.direct[key] = ckpt
+                continue
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            sources = self.fused.setdefault(key, (converter, {}))[1]
+            sources.setdefault(pattern, {})[_expert_number(ckpt, key)] = ckpt
+
+
+def _expert_number(ckpt: str, fused: str) -> int:
+    """The expert index in a per-expert checkpoint key: the first integer component after the
+    layer's own numbers (`...layers.3.mlp.experts.17.w1.weight` -> 17 for `...layers.3.mlp.experts.gate_up_proj`)."""
+    layer_numbers = [p for p in fused.split(".") if p.isdigit()]
+    numbers = [p for p in ckpt.split(".") if p.isdigit()]
+    return int(numbers[len(layer_numbers)])
+
+
+def _fused_rows(key: str, plan: _Plan, start: int, stop: int, reader: _Reader, spec: str) -> torch.Tensor:
+    """Rows `[start, stop)` (experts) of a fused parameter, from the rank's own per-expert tensors."""
+    from transformers.core_model_loading import MergeModulelist
+
+    converter, sources = plan.fused[key]
+    ops = converter.operations
+    if not ops or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0:
+        raise ShardingError(
+            f"{spec}: {key} is made by {ops} from the checkpoint, which does not stack experts on dim 0 first, so "
+            "--fsdp cannot read it expert by expert. Load this model without --fsdp."
+        )
+    inputs = {}
+    for pattern in converter.source_patterns:
+        per_expert = sources.get(pattern, {})
+        missing = [e for e in range(start, stop) if e not in per_expert]
+        if missing:
+            raise ShardingError(f"{spec}: the checkpoint lacks experts {missing[:5]} of {pattern} (for {key}).")
+        inputs[pattern] = [reader.rows(per_expert[e]) for e in range(start, stop)]
+    values = inputs
+    for op in ops:
+        values = op.convert(values, source_patterns=converter.source_patterns, target_patterns=[key])
+    (out,) = values.values()
+    return out
+
+
+def load_sharded(spec: str, dtype: torch.dtype, dist: Dist) -> nn.Module:
+    """The model of `spec` sharded over the ranks: built on meta, each rank filling its own rows.
+
+    `tiny:<family>` models are built whole on each rank (they are tiny) and then sharded."""
+    if spec.startswith("tiny:"):
+        from moe_attrib.zoo import tiny_model
+
+        return shard_model(tiny_model(spec.split(":", 1)[1], dtype=dtype).to(dist.device), dist)
+    directory = Path(spec)
+    if not directory.is_dir():
+        raise ShardingError(
+            f"--fsdp loads local save_pretrained directories (safetensors) only; {spec!r} is not one "
+            "(download it first, e.g. `hf download ORG/NAME --local-dir DIR`)."
+        )
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(spec, local_files_only=True)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}  # computed in __init__ (rotary tables)
+    reader = _Reader(directory)
+    plan = _Plan(model, reader)  # before sharding: transformers looks its rules up by the model's class
+    shard_model(model, dist)
+    model.to_empty(device=dist.device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+        for key, target in model.state_dict().items():
+            _fill(key, target, plan, reader, spec)
+    return model.eval()
+
+
+def _fill(key: str, target: torch.Tensor, plan: _Plan, reader: _Reader, spec: str) -> None:
+    sharded = _is_dtensor(target)
+    start, stop = local_rows(target) if sharded else (None, None)
+    local = target.to_local() if sharded else target
+    if sharded and start == stop:
+        return
+    if key in plan.direct:
+        values = reader.rows(plan.direct[key], start, stop)
+    elif key in plan.fused:
+        values = _fused_rows(key, plan, start or 0, target.shape[0] if stop is None else stop, reader, spec)
+    else:
+        raise ShardingError(
+            f"{spec}: the checkpoint has no tensor for {key!r} (directly or through transformers' conversion "
+            "rules), so --fsdp cannot load it. Check the checkpoint is complete, or load it without --fsdp."
+        )
+    if tuple(values.shape) != tuple(local.shape):
+        raise ShardingError(
+            f"{spec}: checkpoint tensor for {key!r} has shape {tuple(values.shape)} where this rank's shard "
+            f"is {tuple(local.shape)} (rows {start}:{stop}); the checkpoint does not match its config."
+        )
+    local.copy_(values.to(local.dtype))
+
+
+# -- memory plan --------------------------------------------------------------------------------------
+def memory_plan(
+    model: nn.Module,
+    world: int,
+    token_batch_size: int,
+    projection_dim: int | None,
+    track_moe_experts: bool = True,
+    factors: bool = False,
+) -> dict[str, int]:
+    """Bytes per rank of a sharded collection run: parameter shards, the gathered layers, activations
+    kept for the backward (an estimate from the config), the routed grid's capture rows and, for EK-FAC,
+    the float64 factors (whole on every rank: they are all-reduced)."""
+    from moe_attrib.discovery import discover
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    params = [p.to_local() if _is_dtensor(p) else p for p in model.parameters()]
+    layer = max((sum(nbytes(p) for p in m.parameters()) for m in decoder_layers(model)), default=0)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    hidden = getattr(cfg, "hidden_size", 0)
+    layers = len(decoder_layers(model))
+    top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "moe_topk", None) or 1
+    inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", 0) or 0
+    size = next(model.parameters()).element_size()
+    report = discover(model, track_moe_experts=track_moe_experts, warn=False)
+    plan = {
+        "parameters (this rank's shard)": sum(nbytes(p) for p in params),
+        "gathered layers (2 at a time)": 2 * layer,
+        "activations (estimate)": token_batch_size * layers * (12 * hidden + 3 * top_k * inter) * size,
+        "routed grid rows": 0,
+        "EK-FAC factors (float64)": 0,
+    }
+    for lay in report.experts if track_moe_experts else []:
+        width = sum(sum(lay.features(p)) if projection_dim is None else 2 * projection_dim for p in lay.projections)
+        plan["routed grid rows"] += token_batch_size * top_k * width * 4
+    if factors:
+        from moe_attrib.ekfac import memory_plan as factor_plan
+
+        plan["EK-FAC factors (float64)"] = factor_plan(report, projection_dim)["total"]
+    plan["world"] = world
+    return plan
+
+
+def format_memory_plan(plan: dict[str, int]) -> str:
+    lines = [f"memory plan per rank (FSDP2 over {plan['world']} ranks):"]
+    total = 0
+    for name, value in plan.items():
+        if name == "world":
+            continue
+        total += value
+        lines.append(f"  {name:<32s} {_size(value):>12s}")
+    lines.append(f"  {'total':<32s} {_size(total):>12s}")
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"

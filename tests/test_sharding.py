@@ -1,0 +1,125 @@
+"""FSDP2-sharded collection (`--fsdp`): 2 gloo ranks give the index rows and EK-FAC factors of a
+one-process run, on a transposed-with-biases family (gpt_oss), one with shared experts
+(deepseek_v3) and one with a hash-routed layer (deepseek_v4); and the pieces it rests on."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moe_attrib import cli
+from moe_attrib.ekfac import load_ekfac
+from moe_attrib.fingerprint import model_fingerprint
+from moe_attrib.index import load_index
+from moe_attrib.results import read_results
+from moe_attrib.zoo import save_tiny, tiny_config
+from tests.conftest import run_torchrun
+from tests.fsdp_driver import EKFAC_ARGS
+from tests.test_build import CORPUS, ENV, texts
+
+FAMILIES = ["gpt_oss", "deepseek_v3", "deepseek_v4"]
+COMMON = ["--track_moe_experts", "--projection_dim", "8", "--token_batch_size", "80", "--precision", "fp32"]
+
+
+def save_family(path: Path, family: str) -> None:
+    text = tiny_config(family).get_text_config()
+    extra = {"layer_types": text.layer_types[:2]} if getattr(text, "layer_types", None) else {}
+    save_tiny(str(path), family, texts(), **extra)  # the config's own 43-entry default cannot be saved
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """One torchrun launch: `build --fsdp` and `ekfac --fsdp` of every family on 2 gloo ranks."""
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    if not Path(torchrun).exists():
+        pytest.skip("torchrun not installed")
+    work = tmp_path_factory.mktemp("fsdp")
+    for family in FAMILIES:
+        save_family(work / family / "model", family)
+    driver = Path(__file__).parent / "fsdp_driver.py"
+    res = run_torchrun(
+        [torchrun, "--nproc_per_node=2", str(driver), str(work), str(CORPUS), *FAMILIES],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return work, res
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fsdp_two_ranks_equal_one_process(sharded_runs, family):
+    work, res = sharded_runs
+    model = str(work / family / "model")
+    for argv in (
+        ["build", model, str(CORPUS), "--index", str(work / family / "index"), "--quiet", *COMMON],
+        ["ekfac", model, str(CORPUS), "--out", str(work / family / "ekfac"), "--quiet", *COMMON, *EKFAC_ARGS],
+    ):
+        assert cli.main(argv) == 0
+    one, two = load_index(work / family / "index"), load_index(work / family / "fsdp_index")
+    assert one.manifest["settings"]["model_fingerprint"] == two.manifest["settings"]["model_fingerprint"]
+    assert one.gradients.shape == two.gradients.shape and np.abs(one.gradients).max() > 0
+    np.testing.assert_allclose(two.gradients, one.gradients, rtol=1e-5, atol=1e-6 * np.abs(one.gradients).max())
+    np.testing.assert_allclose(two.losses, one.losses, rtol=1e-5)
+    np.testing.assert_array_equal(two.expert_counts, one.expert_counts)
+    a, b = load_ekfac(work / family / "ekfac"), load_ekfac(work / family / "fsdp_ekfac")
+    assert sorted(a.factors) == sorted(b.factors)
+    for name, f in a.factors.items():
+        g = b.factors[name]
+        for field in ("A", "G", "tokens", "lam"):
+            want, got = getattr(f, field), getattr(g, field)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7 * float(want.abs().max()), msg=f"{name}.{field}")
+    assert "memory plan per rank (FSDP2 over 2 ranks)" in res.stdout
+    scores = work / family / "scores.jsonl"
+    index = str(work / family / "fsdp_index")
+    assert cli.main(["score", "--index", index, model, str(CORPUS), "--out", str(scores)]) == 0
+    plain, sharded = read_results(scores), read_results(work / family / "fsdp_scores.jsonl")
+    assert len(plain) == len(sharded) == one.gradients.shape[0]
+    for p, s in zip(plain, sharded, strict=True):
+        assert [h["example"] for h in p["results"]] == [h["example"] for h in s["results"]]
+        np.testing.assert_allclose([h["score"] for h in s["results"]], [h["score"] for h in p["results"]], rtol=1e-5)
+
+
+def test_lazy_shard_loading_matches_transformers(tmp_path):
+    """A per-expert checkpoint (qwen3_moe saves experts one by one) fused shard by shard, one rank."""
+    from moe_attrib.distributed import Dist
+    from moe_attrib.loading import load_model
+    from moe_attrib.sharding import load_sharded
+
+    save_tiny(str(tmp_path), "qwen3_moe", texts())
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free()}", rank=0, world_size=1)
+    try:
+        sharded = load_sharded(str(tmp_path), torch.float32, Dist(0, 1, torch.device("cpu"), fsdp=True))
+        plain = load_model(str(tmp_path), "fp32")
+        state = sharded.state_dict()
+        for key, want in plain.state_dict().items():
+            got = state[key].full_tensor() if hasattr(state[key], "full_tensor") else state[key]
+            assert torch.equal(got, want), key
+        assert model_fingerprint(sharded) == model_fingerprint(plain)
+        ids = torch.tensor([[1, 5, 6, 7, 8]])
+        torch.testing.assert_close(sharded(ids).logits, plain(ids).logits)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def free() -> int:
+    from tests.conftest import free_port
+
+    return free_port()
+
+
+def test_fsdp_needs_torchrun(tmp_path):
+    env = {k: v for k, v in ENV.items() if k not in ("MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    import subprocess
+
+    res = subprocess.run(
+        [sys.executable, "-m", "moe_attrib", "build", "tiny:qwen3_moe", str(CORPUS), "--index", str(tmp_path / "i"),
+         "--fsdp", "--quiet"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 2 and "--fsdp shards the model over the ranks of a torchrun launch" in res.stderr
+    assert not (tmp_path / "i").exists()
