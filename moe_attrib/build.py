@@ -1,35 +1,52 @@
-"""Build a gradient index over a dataset: batches -> collector -> on-disk rows (resumable, data parallel)."""
+"""Build a gradient index over a dataset: batches -> collector -> on-disk rows (resumable, data parallel).
+
+The batch loop is a pipeline (`moe_attrib.pipeline`): the next batches' inputs are prepared in a
+background thread, each batch's rows, losses, counts and finiteness flags are formed on the device
+and copied to pinned host memory asynchronously, and a writer thread stores finished batches, so
+the device computes the next batch meanwhile. The only host sync per batch is the collector's.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from moe_attrib.collector import GradientCollector
-from moe_attrib.data import Example, collate, fingerprint, labels_for, token_batches
+from moe_attrib.data import Example, fingerprint, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.index import FORMAT_VERSION, IndexWriter, column_plan, flatten_batch, part_dir
+from moe_attrib.index import FORMAT_VERSION, IndexWriter, column_plan, flatten_rows, part_dir
+from moe_attrib.pipeline import BackgroundWriter, HostCopy, batch_inputs, prefetch, to_device
+from moe_attrib.projection import PROJECTION, check_kind
 
 
 class NonFiniteGradientError(ValueError):
     """An example whose loss or gradient is NaN/inf: it would poison every score it touches."""
 
 
-def make_collector(model: nn.Module, report, projection_dim: int, seed: int, optimizer_state: str | None):
-    """The collector an index is built with: seeded projections, optimizer-normalised if asked."""
+def make_collector(
+    model: nn.Module,
+    report,
+    projection_dim: int,
+    seed: int,
+    optimizer_state: str | None,
+    projection: str = PROJECTION,
+):
+    """The collector an index is built with: seeded projections of kind `projection`, optimizer-normalised if asked."""
     if not optimizer_state:
-        return GradientCollector(model, report, projection_dim=projection_dim, seed=seed)
+        return GradientCollector(model, report, projection_dim=projection_dim, seed=seed, projection=projection)
     from moe_attrib.normalizers import Normalizer, load_optimizer_state
 
     normalizer = Normalizer(model, report, load_optimizer_state(optimizer_state, model))
-    return GradientCollector(model, report, projector=normalizer.projector(projection_dim, seed))
+    return GradientCollector(model, report, projector=normalizer.projector(projection_dim, seed, projection))
 
 
 def build_index(
@@ -41,6 +58,7 @@ def build_index(
     track_moe_experts: bool = True,
     projection_dim: int = 16,
     seed: int = 0,
+    projection: str = PROJECTION,
     expert_blocks: str = "separate",
     token_batch_size: int = 8192,
     filter_modules: str | None = None,
@@ -62,7 +80,8 @@ def build_index(
     With `attribute_tokens=True` there is one row per token (token t's share of its example's
     gradient; rows of example i are `token_offsets[i]:token_offsets[i + 1]`). `optimizer_state`
     (a torch optimizer state file or HF Trainer checkpoint) normalises gradients by the
-    optimizer's second moments (see `moe_attrib.normalizers`).
+    optimizer's second moments (see `moe_attrib.normalizers`). `projection` is the kind of seeded
+    projection (`moe_attrib.projection`), recorded in the manifest settings.
 
     The manifest records the model's weights fingerprint (`moe_attrib.fingerprint`), taken here
     before any expansion. An example with a non-finite loss or gradient stops the build with a
@@ -72,6 +91,7 @@ def build_index(
     """
     from moe_attrib.version import __version__
 
+    check_kind(projection)
     dist = dist or Dist(0, 1, next(model.parameters()).device)
     weights = model_fingerprint(model)
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
@@ -94,6 +114,7 @@ def build_index(
         "rows": len(examples),
         "projection_dim": projection_dim,
         "seed": seed,
+        "projection": projection,
         "expert_blocks": expert_blocks,
         "track_moe_experts": track_moe_experts,
         "filter_modules": filter_modules,
@@ -128,7 +149,7 @@ def build_index(
         num_batches=len(batches),
         examples=len(examples),
     )
-    collector = make_collector(model, report, projection_dim, seed, optimizer_state)  # setup errors: no DIR.part
+    collector = make_collector(model, report, projection_dim, seed, optimizer_state, projection)  # errors: no DIR.part
     collector.exact_lengths = dist.fsdp  # no per-rank retry of a batch: ranks of a sharded model run in lockstep
     if dist.is_main:
         writer = IndexWriter(
@@ -142,30 +163,52 @@ def build_index(
     tokens = sum(len(examples[i].input_ids) for b in mine for i in batches[b])
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc=f"build rank {dist.rank}", disable=not progress)
     start = time.perf_counter()
-    with collector:
-        for b, real in dist.lockstep(mine, filler=0):
-            ids, mask = collate(examples, batches[b], pad_id)
+    pin = dist.device.type == "cuda"
+
+    def prepare(step: tuple[int, bool]):
+        b, real = step
+        return b, real, batch_inputs(examples, batches[b], pad_id, pin)
+
+    def store(b: int, members: np.ndarray, rows: np.ndarray, copy: HostCopy, counts_shape: tuple) -> None:
+        grads, meta = copy.numpy()  # waits for this batch's device-to-host copy (writer thread)
+        n = len(members)
+        check_finite(meta[n : 2 * n] > 0, [examples[i].index for i in members], index)
+        writer.write(b, members, rows, grads, meta[:n], meta[2 * n :].reshape(counts_shape))
+
+    with (
+        collector,
+        BackgroundWriter() as background,
+        contextlib.closing(prefetch(dist.lockstep(mine, filler=0), prepare)) as ready,
+    ):
+        for b, real, host in ready:
+            ids, mask, labels = to_device(host, dist.device)
             out = collector.collect(
-                ids.to(dist.device),
-                mask.to(dist.device),
-                labels_for(examples, batches[b], ids, mask).to(dist.device),
+                ids,
+                mask,
+                labels,
                 fused_experts=True,
                 per_token=attribute_tokens,
                 expert_blocks=expert_blocks,
             )
             if not real:  # a sharded model's filler step (see Dist.lockstep)
                 continue
-            grads = flatten_batch(out, report, blocks, expert_blocks, per_token=attribute_tokens)
             members = np.asarray(batches[b])
-            check_finite(grads, out.losses.float().cpu().numpy(), [examples[i].index for i in members], index)
+            grads = flatten_rows(out, report, blocks, expert_blocks, per_token=attribute_tokens)
+            n = len(members)
+            finite = torch.isfinite(grads.view(n, -1)).all(dim=1) & torch.isfinite(out.losses)
             if attribute_tokens:
+                width_s = grads.shape[1]
+                take = np.concatenate([k * width_s + np.arange(lengths[i]) for k, i in enumerate(members)])
+                grads = grads.view(-1, grads.shape[-1]).index_select(0, torch.from_numpy(take).to(grads.device))
                 rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members])
-                grads = np.concatenate([grads[n, : lengths[i]] for n, i in enumerate(members)])
             else:
                 rows = members
-            counts = out.expert_counts.float().cpu().numpy() if layers else np.zeros((len(members), 0, 0), np.float32)
-            writer.write(b, members, rows, grads, out.losses.float().cpu().numpy(), counts)
-            bar.update(int(mask.sum()))
+            counts = out.expert_counts if layers else out.losses.new_zeros(n, 0, 0)
+            meta = torch.cat([out.losses.float(), finite.float(), counts.float().reshape(-1)])
+            copy = HostCopy([grads, meta])  # overlaps the next batch's forward
+            background.submit(lambda b=b, m=members, r=rows, c=copy, s=tuple(counts.shape): store(b, m, r, c, s))
+            del out, grads, meta, finite, counts
+            bar.update(int(host[1].sum()))
             bar.set_postfix(tok_s=f"{bar.n / max(time.perf_counter() - start, 1e-9):,.0f}")
     bar.close()
     dist.barrier()
@@ -176,9 +219,8 @@ def build_index(
     return final
 
 
-def check_finite(grads: np.ndarray, losses: np.ndarray, example_ids: list[int], index: str | Path) -> None:
-    """Raise `NonFiniteGradientError` naming the examples whose loss or gradient row is NaN/inf."""
-    finite = np.isfinite(grads.reshape(len(example_ids), -1)).all(axis=1) & np.isfinite(losses)
+def check_finite(finite: np.ndarray, example_ids: list[int], index: str | Path) -> None:
+    """Raise `NonFiniteGradientError` naming the examples whose `finite` flag (loss and gradient row) is False."""
     if finite.all():
         return
     bad = [example_ids[n] for n in np.flatnonzero(~finite)]

@@ -186,6 +186,7 @@ def index_projection(args: argparse.Namespace):
     if not args.index:
         return None
     from moe_attrib.index import load_index
+    from moe_attrib.projection import projection_kind
 
     index = load_index(args.index)
     st = index.manifest["settings"]
@@ -194,6 +195,7 @@ def index_projection(args: argparse.Namespace):
         args.no_projection = st["projection_dim"] is None
     if args.seed is None:
         args.seed = st["seed"]
+    args.projection_kind = projection_kind(st)
     if args.precision == "auto":  # the index's weights fingerprint is of the model in the index's dtype
         args.precision = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(
             st.get("dtype"), "auto"
@@ -213,6 +215,7 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
     from moe_attrib.experts import LayoutError
     from moe_attrib.fingerprint import FingerprintError, check_model
     from moe_attrib.index import IndexFileError
+    from moe_attrib.projection import PROJECTION
 
     try:
         check_collection_args(args)
@@ -245,6 +248,7 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
                 filter_modules=args.filter_modules,
                 projection_dim=projection(args),
                 seed=args.seed,
+                projection=getattr(args, "projection_kind", PROJECTION),
                 damping=args.damping,
                 damping_scope=args.damping_scope,
                 sampled_labels=not args.empirical_fisher,

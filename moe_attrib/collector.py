@@ -21,7 +21,7 @@ from torch import nn
 from moe_attrib.capture import BatchInfo, Capture, CaptureRecord
 from moe_attrib.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.layouts import Kernels
-from moe_attrib.projection import Projections
+from moe_attrib.projection import PROJECTION, Projections
 
 
 class PerExampleGradients(dict):
@@ -183,17 +183,20 @@ class GradientCollector:
         projector: Callable | None = None,
         row_sink: Callable | None = None,
         exact_lengths: bool = False,
+        projection: str = PROJECTION,
     ):
         """`projector(name, side, features, like, batch)` replaces the seeded random projections
         (EK-FAC uses it to rotate rows into its eigenbases); `row_sink(records, batch)` receives the
         `CaptureRecord`s and `BatchInfo` instead of forming per-example gradients (EK-FAC's
-        covariances). `exact_lengths=True` sizes routed grids exactly (no retry, a sync per layer)."""
+        covariances). `exact_lengths=True` sizes routed grids exactly (no retry, a sync per layer).
+        `projection`: the kind of seeded projection (`moe_attrib.projection`; an index's own kind)."""
         self.model = model
         self.projector = projector
         self.row_sink = row_sink
         self.report = report if report is not None else discover(model, track_moe_experts=track_moe_experts)
         self.projection_dim = projection_dim
         self.seed = seed
+        self.projection = projection
         self.exact_lengths = exact_lengths
         self.kernels = Kernels()
         self.capture: Capture | None = None
@@ -224,7 +227,7 @@ class GradientCollector:
         if self.projector is not None:
             return self.projector(name, side, features, like, batch)
         if self._proj is None or self._proj.device != like.device or self._proj.dtype != like.dtype:
-            self._proj = Projections(self.projection_dim, self.seed, like.device, like.dtype)
+            self._proj = Projections(self.projection_dim, self.seed, like.device, like.dtype, self.projection)
         return self._proj.get(name, side, features, batch)
 
     def collect(

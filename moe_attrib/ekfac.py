@@ -14,6 +14,7 @@ projected rows, p x p each), matching the rows of an index built with the same p
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +25,12 @@ from tqdm.auto import tqdm
 
 from moe_attrib.capture import BatchInfo, CaptureRecord
 from moe_attrib.collector import GradientCollector
-from moe_attrib.data import Example, collate, labels_for, token_batches
+from moe_attrib.data import Example, token_batches
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.projection import Projections
+from moe_attrib.pipeline import batch_inputs, prefetch, to_device
+from moe_attrib.projection import PROJECTION, Projections, check_kind, projection_kind
 
 DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md)
 DEFAULT_DAMPING_SCOPE = "model"
@@ -88,6 +90,11 @@ class EKFAC:
     seed: int = 0
     settings: dict = field(default_factory=dict)
 
+    @property
+    def projection(self) -> str:
+        """The projection kind the factors were fitted with (legacy when the settings predate the key)."""
+        return projection_kind(self.settings)
+
     def precondition(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         return self.factors[name].precondition(grad)
 
@@ -131,7 +138,8 @@ def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> E
         parts = [load_ekfac(p, device) for p in path]
         merged = EKFAC(projection_dim=parts[0].projection_dim, seed=parts[0].seed, settings=parts[0].settings)
         for p, part in zip(path, parts, strict=True):
-            if (part.projection_dim, part.seed) != (merged.projection_dim, merged.seed):
+            key = (part.projection_dim, part.seed, part.projection)
+            if key != (merged.projection_dim, merged.seed, merged.projection):
                 raise ValueError(f"{p}: projection settings differ from {path[0]}; partitions must share them.")
             overlap = set(part.factors) & set(merged.factors)
             if overlap:
@@ -282,6 +290,7 @@ def fit_ekfac(
     filter_modules: str | None = None,
     projection_dim: int | None = None,
     seed: int = 0,
+    projection: str = PROJECTION,
     damping: float = DEFAULT_DAMPING,
     damping_scope: str = DEFAULT_DAMPING_SCOPE,
     sampled_labels: bool = DEFAULT_SAMPLED_LABELS,
@@ -296,11 +305,13 @@ def fit_ekfac(
     """Fit EK-FAC factors on `examples`: covariances, float64 eigendecompositions, corrected eigenvalues.
 
     `damping` is relative: `damping x mean(Lambda)` over `damping_scope` (see `EKFAC.with_damping`,
-    which also re-damps fitted factors without refitting). Refuses with `FactorMemoryError` when the
-    factors exceed `max_memory_gib`.
+    which also re-damps fitted factors without refitting). `projection` is the projection kind
+    (`moe_attrib.projection`): the index's own, `projection_kind(index.manifest["settings"])`.
+    Refuses with `FactorMemoryError` when the factors exceed `max_memory_gib`.
     Under torchrun the sums are all-reduced, so every rank ends with the same factors.
     """
     check_damping(damping, damping_scope)
+    check_kind(projection)
     device = next(model.parameters()).device
     dist = dist or Dist(0, 1, device)
     weights = model_fingerprint(model)  # before any expansion; recorded in ekfac.json
@@ -330,20 +341,23 @@ def fit_ekfac(
     steps = dist.lockstep(_batches(examples, token_batch_size, dist), filler=(0, [shortest]))
     live = [True]  # False on a sharded model's filler steps (see Dist.lockstep): nothing is accumulated
 
+    pin = dist.device.type == "cuda"
+
+    def prepare(step: tuple[tuple[int, list[int]], bool]):  # labels: the loss of the index and query rows
+        (number, positions), real = step
+        return number, real, batch_inputs(examples, positions, pad_id, pin)
+
     def run(collector: GradientCollector, desc: str, each) -> None:
-        for (number, positions), live[0] in tqdm(steps, desc=f"{desc} rank {dist.rank}", disable=not progress):
-            torch.manual_seed(seed * 1_000_003 + number)  # sampled labels: the same draws in any world size
-            ids, mask = collate(examples, positions, pad_id)
-            labels = labels_for(examples, positions, ids, mask)  # the loss of the index and query rows
-            batch = collector.collect(
-                ids.to(dist.device),
-                mask.to(dist.device),
-                labels.to(dist.device),
-                fused_experts=True,
-                sample_labels=sampled_labels,
-            )
-            if live[0]:
-                each(batch)
+        ready = prefetch(steps, prepare)
+        with contextlib.closing(ready):
+            for number, live[0], host in tqdm(
+                ready, total=len(steps), desc=f"{desc} rank {dist.rank}", disable=not progress
+            ):
+                torch.manual_seed(seed * 1_000_003 + number)  # sampled labels: the same draws in any world size
+                ids, mask, labels = to_device(host, dist.device)
+                batch = collector.collect(ids, mask, labels, fused_experts=True, sample_labels=sampled_labels)
+                if live[0]:
+                    each(batch)
 
     sink = _Accumulator(factors)
     with GradientCollector(
@@ -353,6 +367,7 @@ def fit_ekfac(
         seed=seed,
         row_sink=lambda records, batch: sink(records, batch) if live[0] else None,
         exact_lengths=True,
+        projection=projection,
     ) as collector:
         gen_state = torch.random.get_rng_state()
         run(collector, "ekfac covariances", lambda out: None)
@@ -367,7 +382,7 @@ def fit_ekfac(
         shape = (f.QA.shape[-1], f.QG.shape[-1]) if f.transposed else (f.QG.shape[-1], f.QA.shape[-1])
         f.lam = torch.zeros(*f.tokens.shape, *shape, dtype=torch.float64, device=fdev)
 
-    proj = Projections(projection_dim, seed, dist.device, torch.float32) if projection_dim else None
+    proj = Projections(projection_dim, seed, dist.device, torch.float32, projection) if projection_dim else None
 
     rotations: dict[tuple, torch.Tensor] = {}
 
@@ -405,7 +420,8 @@ def fit_ekfac(
         projection_dim,
         seed,
         {"damping": damping, "damping_scope": damping_scope, "sampled_labels": sampled_labels, "examples": int(total),
-         "track_moe_experts": track_moe_experts, "filter_modules": filter_modules, "model_fingerprint": weights},
+         "track_moe_experts": track_moe_experts, "filter_modules": filter_modules, "model_fingerprint": weights,
+         "projection": projection},
     )  # fmt: skip
     if out is not None and dist.is_main:
         result.save(out)

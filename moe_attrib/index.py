@@ -120,11 +120,8 @@ def column_plan(report: CoverageReport, projection_dim: int | None, expert_block
     return blocks
 
 
-def flatten_batch(
-    grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, per_token: bool = False
-) -> np.ndarray:
-    """Rows in plan order from a `collect(..., fused_experts=True)` result: `[N, dim]`, or
-    `[N, S, dim]` for a `per_token=True` result (whose experts are already summed for "sum")."""
+def flatten_rows(grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, per_token: bool = False):
+    """`flatten_batch` on the result's device: float32 `torch.Tensor` rows from one `torch.cat`, no host sync."""
     import torch
 
     lead = 2 if per_token else 1
@@ -133,11 +130,19 @@ def flatten_batch(
         value = grads[grads_key]  # experts: [N, (S,) E, ...]
         if lay is not None and expert_blocks == "sum" and not per_token:
             value = value.sum(dim=1)
-        parts.append(value.reshape(*value.shape[:lead], -1))
-    rows = torch.cat(parts, dim=-1).float().cpu().numpy()
+        parts.append(value.float().reshape(*value.shape[:lead], -1))
+    rows = torch.cat(parts, dim=-1)
     if rows.shape[-1] != blocks[-1].stop:
-        raise IndexFileError(f"internal: batch has {rows.shape[1]} columns, the plan {blocks[-1].stop}")
+        raise IndexFileError(f"internal: batch has {rows.shape[-1]} columns, the plan {blocks[-1].stop}")
     return rows
+
+
+def flatten_batch(
+    grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, per_token: bool = False
+) -> np.ndarray:
+    """Rows in plan order from a `collect(..., fused_experts=True)` result: `[N, dim]`, or
+    `[N, S, dim]` for a `per_token=True` result (whose experts are already summed for "sum")."""
+    return flatten_rows(grads, report, blocks, expert_blocks, per_token).cpu().numpy()
 
 
 def part_dir(path: str | Path) -> Path:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from moe_attrib.discovery import CoverageReport, iter_entries
-from moe_attrib.projection import Projections
+from moe_attrib.projection import PROJECTION, Projections
 
 
 class OptimizerStateError(ValueError):
@@ -94,7 +94,7 @@ class Normalizer:
             s_in, s_out = (s_rows, s_cols) if transposed else (s_cols, s_rows)
             self.scales[name] = (s_in.float(), s_out.float())
 
-    def projector(self, projection_dim: int | None, seed: int = 0):
+    def projector(self, projection_dim: int | None, seed: int = 0, kind: str = PROJECTION):
         """A `projector` for `GradientCollector`: scaling then (optionally) the seeded projection."""
         cache: dict = {}
 
@@ -103,7 +103,7 @@ class Normalizer:
             if key not in cache:
                 s = self.scales[name][0 if side == "in" else 1].to(like.device)
                 if projection_dim:
-                    proj = Projections(projection_dim, seed, like.device, torch.float32).get(
+                    proj = Projections(projection_dim, seed, like.device, torch.float32, kind).get(
                         name, side, features, batch
                     )
                     mat = s.unsqueeze(-1) * proj

@@ -22,6 +22,7 @@ from moe_attrib.discovery import discover
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.fingerprint import check_model, check_settings_match
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
+from moe_attrib.projection import projection_kind
 from moe_attrib.stream import DEFAULT_BLOCK_BYTES, DEFAULT_READER, ToHost, stream_rows
 
 DEFAULT_UNIT_NORMALIZE = True  # cosine after preconditioning (docs/quality.md)
@@ -57,6 +58,11 @@ def precondition_queries(
             f"EK-FAC factors were fitted with projection_dim={ekfac.projection_dim}, seed={ekfac.seed} but the index "
             f"uses projection_dim={index_settings['projection_dim']}, seed={index_settings['seed']}; refit with "
             "`moe-attrib ekfac --projection_dim P --seed S` matching the index."
+        )
+    if projected and ekfac.projection != projection_kind(index_settings):
+        raise ScoreError(
+            f"EK-FAC factors were fitted with projection {ekfac.projection!r} but the index uses "
+            f"{projection_kind(index_settings)!r}; refit with `moe-attrib ekfac --index DIR` (it takes the index's)."
         )
     out = queries.clone().double()
     for b in blocks:
@@ -298,7 +304,8 @@ def query_gradients(
     counts = np.zeros((len(examples), len(layers), index.expert_counts.shape[2]), np.float32) if layers else None
     from moe_attrib.build import make_collector
 
-    with make_collector(model, report, st["projection_dim"], st["seed"], st.get("optimizer_state")) as collector:
+    kind = projection_kind(st)
+    with make_collector(model, report, st["projection_dim"], st["seed"], st.get("optimizer_state"), kind) as collector:
         for positions in token_batches(examples, token_batch_size):
             ids, mask = collate(examples, positions, pad_id)
             labels = labels_for(examples, positions, ids, mask).to(device)

@@ -71,3 +71,33 @@ def test_fsdp_one_rank_matches_plain_path_and_step_time(tmp_path):
     assert result["fingerprints_equal"]
     assert result["row_rel_err"]["median"] < 1e-2 and result["row_rel_err"]["max"] < 5e-2, result["row_rel_err"]
     assert result["step_ratio"] < 1.10, result
+
+
+@pytest.mark.parametrize("shape", [(8, 37, None), (32, 2048, 16), (16, 151_936, None)])
+def test_cuda_projection_matrix_is_bitwise_the_cpu_one(shape):
+    from moe_attrib.projection import Projections, projection_matrix
+
+    rows, cols, batch = shape
+    cpu = projection_matrix("model.layers.3.mlp.experts.gate_up_proj/in", rows, cols, seed=5, batch=batch)
+    gpu = projection_matrix("model.layers.3.mlp.experts.gate_up_proj/in", rows, cols, 5, batch, device="cuda")
+    assert gpu.device.type == "cuda" and gpu.dtype == torch.float32 and torch.equal(gpu.cpu(), cpu)
+    proj = Projections(rows, 5, "cuda", torch.bfloat16)
+    bf16 = proj.get("model.layers.3.mlp.experts.gate_up_proj", "in", cols, batch)
+    assert torch.equal(bf16.cpu(), cpu.transpose(-1, -2).bfloat16())
+
+
+def test_cuda_build_pipeline_equals_cpu_build(tmp_path):
+    """The pinned, asynchronous copy path and the writer thread on CUDA give the CPU build's rows."""
+    import numpy as np
+
+    from moe_attrib.data import Example
+
+    gen = torch.Generator().manual_seed(3)
+    ex = [Example(i, torch.randint(3, 120, (int(torch.randint(5, 12, (1,), generator=gen)),), generator=gen).tolist())
+          for i in range(24)]  # fmt: skip
+    kw = {"projection_dim": 8, "seed": 2, "token_batch_size": 24, "progress": False}
+    cpu = ma.load_index(ma.build_index(tiny_model("qwen3_moe"), ex, tmp_path / "cpu", **kw))
+    gpu = ma.load_index(ma.build_index(tiny_model("qwen3_moe").cuda(), ex, tmp_path / "gpu", **kw))
+    a, b = np.asarray(gpu.gradients), np.asarray(cpu.gradients)
+    assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max()  # tf32 may be on for CUDA matmuls
+    assert np.allclose(gpu.losses, cpu.losses, rtol=1e-3) and np.array_equal(gpu.expert_counts, cpu.expert_counts)
