@@ -28,6 +28,7 @@ from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
+from moe_attrib.layouts import Kernels
 from moe_attrib.projection import Projections
 
 DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md)
@@ -200,10 +201,15 @@ def format_plan(plan: dict) -> str:
 
 
 class _Accumulator:
-    """Row sink for pass 1: sums of x x^T and g g^T over real tokens, per expert for experts."""
+    """Row sink for pass 1: sums of x x^T and g g^T over real tokens, per expert for experts.
+
+    An expert's routed rows are one contiguous segment, so its sums come from one float64
+    `Kernels.segment_mm` per side, sized by the routed rows (no padded grid, no host sync).
+    """
 
     def __init__(self, factors: dict[str, Factor]):
         self.factors = factors
+        self.kernels = Kernels()
 
     def __call__(self, records: list[CaptureRecord], batch: BatchInfo) -> None:
         for c in records:
@@ -220,19 +226,13 @@ class _Accumulator:
                 f.tokens += real.sum().to(f.tokens.device)
                 continue
             rows, e = c.grid.rows, c.layout.num_experts
-            valid = rows.expert < e
-            real = valid.double()
+            real = (rows.expert < e).double()  # rows of zero-compute experts (past offsets[e - 1]) count nothing
             mask = c.row_mask(batch)
             if mask is not None:
                 real = real * mask.double()
-            pos = torch.arange(rows.expert.numel(), device=real.device) - torch.searchsorted(rows.expert, rows.expert)
-            length = max(int(pos.max()) + 1, 1) if pos.numel() else 1
-            flat = torch.where(valid, rows.expert * length + pos, e * length)
             for cov, values in ((f.A, c.x), (f.G, c.g)):
-                grid = torch.zeros(e * length + 1, values.shape[-1], dtype=torch.float64, device=real.device)
-                grid.index_copy_(0, flat, values.double() * real[:, None])  # real is 0/1: real^2 = real
-                grid = grid[:-1].view(e, length, -1)
-                cov += torch.bmm(grid.transpose(1, 2), grid).to(cov.device)
+                values = values.double()
+                cov += self.kernels.segment_mm(values * real[:, None], values, rows.offsets[:e]).to(cov.device)
             counts = torch.zeros(e + 1, dtype=torch.float64, device=real.device)
             f.tokens += counts.index_add_(0, rows.expert.clamp(max=e), real)[:e].to(f.tokens.device)
 
@@ -343,9 +343,7 @@ def fit_ekfac(
             each(batch)
 
     sink = _Accumulator(factors)
-    with GradientCollector(
-        model, report, projection_dim=projection_dim, seed=seed, row_sink=sink, exact_lengths=True
-    ) as collector:
+    with GradientCollector(model, report, projection_dim=projection_dim, seed=seed, row_sink=sink) as collector:
         gen_state = torch.random.get_rng_state()
         run(collector, "ekfac covariances", lambda out: None)
     for f in factors.values():
@@ -383,7 +381,7 @@ def fit_ekfac(
             rotated = out[key].double().to(fdev)  # [N, (E,) rows, cols]
             f.lam += (rotated**2).sum(dim=0)
 
-    with GradientCollector(model, report, projector=rotator, exact_lengths=True) as collector:
+    with GradientCollector(model, report, projector=rotator) as collector:
         run(collector, "ekfac eigenvalue correction", add)
     torch.random.set_rng_state(gen_state)
     dist.all_reduce_(total)
