@@ -33,7 +33,9 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 TILE_ROWS = (8, 128)
 # bytes of tile products formed at once by the fallback (the tile grid itself is sized by the rows)
 TILE_PRODUCT_BYTES = 256 * 2**20
-SEGMENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# dtypes whose segment sums go to grouped_mm, per device type: on CUDA (torch 2.9 to 2.13) only bf16 in and
+# out has a grouped kernel; any other dtype loops over the groups on the host (a device sync, one mm per segment)
+SEGMENT_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
 
 
 def segment_of_rows(ends: torch.Tensor, rows: int) -> torch.Tensor:
@@ -126,12 +128,14 @@ class Kernels:
         Segment s is rows `ends[s-1]:ends[s]` (`ends`: `[segments]` int32, nondecreasing, the last one
         at most `rows`; rows past it are ignored; an empty segment gives zeros). One grouped GEMM
         whose offsets partition the contracted (row) dimension (`grouped_mm(left.T, right, offs=ends)`)
-        where the device, dtype and strides allow it, else `tiled_segment_mm` (float64 always takes
-        it: grouped_mm has no float64). Temporary memory is sized by the rows, never by a padded
-        per-segment length, and nothing waits for the device.
+        for the devices and dtypes of `SEGMENT_DTYPES` (CPU: fp32/bf16/fp16; CUDA: bf16, the output in
+        bf16 too) when the strides allow it; otherwise `tiled_segment_mm`, exact in the rows' dtype
+        (float32 rows on CUDA, float64 anywhere). Temporary memory is sized by the rows, never by a
+        padded per-segment length, and nothing waits for the device.
         """
         key = f"grouped_mm(segments)[{left.device.type}, {left.dtype}]"
-        usable = left.dtype in SEGMENT_DTYPES and key not in self.fallbacks and hasattr(nn.functional, "grouped_mm")
+        usable = left.dtype in SEGMENT_DTYPES.get(left.device.type, ()) and key not in self.fallbacks
+        usable = usable and hasattr(nn.functional, "grouped_mm")
         if usable and _aligned(left.T, right):
             try:
                 return nn.functional.grouped_mm(left.T, right, offs=ends.to(torch.int32))
