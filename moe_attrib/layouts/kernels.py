@@ -36,6 +36,8 @@ TILE_PRODUCT_BYTES = 256 * 2**20
 # dtypes whose segment sums go to grouped_mm, per device type: on CUDA (torch 2.9 to 2.13) only bf16 in and
 # out has a grouped kernel; any other dtype loops over the groups on the host (a device sync, one mm per segment)
 SEGMENT_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+# groups one CUDA grouped_mm call takes (torch 2.11 on an H200: "Can't process more than 1024 groups")
+CUDA_MAX_GROUPS = 1024
 
 
 def segment_of_rows(ends: torch.Tensor, rows: int) -> torch.Tensor:
@@ -49,7 +51,8 @@ def tiled_segment_mm(left: torch.Tensor, right: torch.Tensor, ends: torch.Tensor
     Each segment's rows are cut into tiles of `C` consecutive rows (its last tile zero-padded),
     so the `[tiles, C, .]` grid holds at most `rows + segments * C` rows with `C` <= the mean
     segment length (when above 8), whatever the routing's skew; its tiles are multiplied in
-    batches of at most `TILE_PRODUCT_BYTES` and summed into their segments. No host sync.
+    batches of at most `TILE_PRODUCT_BYTES` and summed into their segments (in float32 for
+    bf16/fp16 rows, returned in the rows' dtype). No host sync.
     """
     rows, segments = left.shape[0], ends.shape[0]
     mean = max(rows // max(segments, 1), 1)
@@ -69,12 +72,13 @@ def tiled_segment_mm(left: torch.Tensor, right: torch.Tensor, ends: torch.Tensor
     # tiles past the last used one belong to no segment: they go to a dropped extra slot
     owner = torch.searchsorted(first + tiles_of, torch.arange(total, device=left.device), right=True)
     a, b = left.shape[-1], right.shape[-1]
-    out = left.new_zeros(segments + 2, a, b)
-    step = max(TILE_PRODUCT_BYTES // max(a * b * left.element_size(), 1), 1)
+    acc = torch.float32 if left.dtype in (torch.bfloat16, torch.float16) else left.dtype
+    out = left.new_zeros(segments + 2, a, b, dtype=acc)
+    step = max(TILE_PRODUCT_BYTES // max(a * b * 4, 1), 1)
     for t0 in range(0, total, step):
         part = torch.bmm(grids[0][t0 : t0 + step].transpose(1, 2), grids[1][t0 : t0 + step])
-        out.index_add_(0, owner[t0 : t0 + step], part)
-    return out[:segments]
+        out.index_add_(0, owner[t0 : t0 + step], part.to(acc))
+    return out[:segments].to(left.dtype)
 
 
 class Kernels:
@@ -128,14 +132,16 @@ class Kernels:
         Segment s is rows `ends[s-1]:ends[s]` (`ends`: `[segments]` int32, nondecreasing, the last one
         at most `rows`; rows past it are ignored; an empty segment gives zeros). One grouped GEMM
         whose offsets partition the contracted (row) dimension (`grouped_mm(left.T, right, offs=ends)`)
-        for the devices and dtypes of `SEGMENT_DTYPES` (CPU: fp32/bf16/fp16; CUDA: bf16, the output in
-        bf16 too) when the strides allow it; otherwise `tiled_segment_mm`, exact in the rows' dtype
-        (float32 rows on CUDA, float64 anywhere). Temporary memory is sized by the rows, never by a
-        padded per-segment length, and nothing waits for the device.
+        for the devices and dtypes of `SEGMENT_DTYPES` (CPU: fp32/bf16/fp16; CUDA: bf16, the output
+        in bf16 too, at most `CUDA_MAX_GROUPS` segments) when the strides allow it; otherwise
+        `tiled_segment_mm`, exact in the rows' dtype (float32 rows on CUDA, float64 anywhere).
+        Temporary memory is sized by the rows, never by a padded per-segment length, and nothing
+        waits for the device.
         """
         key = f"grouped_mm(segments)[{left.device.type}, {left.dtype}]"
         usable = left.dtype in SEGMENT_DTYPES.get(left.device.type, ()) and key not in self.fallbacks
         usable = usable and hasattr(nn.functional, "grouped_mm")
+        usable = usable and not (left.is_cuda and ends.shape[0] > CUDA_MAX_GROUPS)
         if usable and _aligned(left.T, right):
             try:
                 return nn.functional.grouped_mm(left.T, right, offs=ends.to(torch.int32))
