@@ -50,11 +50,10 @@ def examples(n: int, length: int, vocab: int) -> list[Example]:
     return [Example(i, torch.randint(3, vocab, (length,), generator=gen).tolist()) for i in range(n)]
 
 
-def step_times(model, exs: list[Example], dist: Dist, steps: int, batch: int, exact_lengths: bool) -> list[float]:
+def step_times(model, exs: list[Example], dist: Dist, steps: int, batch: int) -> list[float]:
     """Wall time of `steps` collection steps (after 2 warm-up steps), as `build` runs them."""
     report = discover(model, track_moe_experts=True, warn=False)
     collector = make_collector(model, report, 16, 0, None)
-    collector.exact_lengths = exact_lengths
     ids = torch.tensor([ex.input_ids for ex in exs[:batch]], device=dist.device)
     mask = torch.ones_like(ids)
     times = []
@@ -95,11 +94,11 @@ def main() -> None:
             common = dict(track_moe_experts=True, projection_dim=16, token_batch_size=budget, progress=False)
             plain = load_model(str(model_dir), dtype).to(dist.device)
             build_index(plain, exs, Path(tmp) / "plain", dist=plain_dist, **common)
-            plain_times = step_times(plain, exs, plain_dist, args.steps, args.batch, exact_lengths=False)
+            plain_times = step_times(plain, exs, plain_dist, args.steps, args.batch)
             del plain
             sharded = load_sharded(str(model_dir), dtype, dist)
             build_index(sharded, exs, Path(tmp) / "fsdp", dist=dist, **common)
-            fsdp_times = step_times(sharded, exs, dist, args.steps, args.batch, exact_lengths=True)
+            fsdp_times = step_times(sharded, exs, dist, args.steps, args.batch)
             a, b = load_index(Path(tmp) / "plain").gradients, load_index(Path(tmp) / "fsdp").gradients
             rel = np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(a, axis=1), 1e-30)
             result = {

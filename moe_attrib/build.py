@@ -150,7 +150,6 @@ def build_index(
         examples=len(examples),
     )
     collector = make_collector(model, report, projection_dim, seed, optimizer_state, projection)  # errors: no DIR.part
-    collector.exact_lengths = dist.fsdp  # no per-rank retry of a batch: ranks of a sharded model run in lockstep
     if dist.is_main:
         writer = IndexWriter(
             index, manifest, resume=resume, token_offsets=offsets, overwrite=overwrite, index_dtype=index_dtype, **shape

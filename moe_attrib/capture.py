@@ -2,9 +2,9 @@
 
 A `Capture` installed on a model records, for each target call of a batch, a `CaptureRecord`:
 the input rows `x` (forward) and the output-gradient rows `g` (backward), projected on the way
-in when a projector is given, and for fused experts the routed grid that places each routed row
-in the per-(expert, example) `[E * N, L, .]` grid. What is done with the records (per-example or
-per-token gradients, EK-FAC covariances) is the consumer's business.
+in when a projector is given, and for fused experts the routed grid: the (expert, example)
+segment of each routed row. What is done with the records (per-example or per-token gradients,
+EK-FAC covariances) is the consumer's business.
 
 Dense targets with a plain forward are captured by forward hooks; weights used elsewhere (routers
 computing logits from a bare parameter, a parent reading a child's `.weight`) by the run-time
@@ -48,15 +48,18 @@ class BatchInfo:
 
 @dataclass
 class RoutedGrid:
-    """Where each routed row of one experts call goes in the `[segments, length, .]` grid.
+    """The (expert, example) segments of one experts call's routed rows.
 
-    `segments` is `E * N` (expert-major); `flat[r]` is row r's flat grid position, -1 for rows
-    of zero-compute experts when `trash` is set.
+    Rows are sorted expert-major then by token, so segment `s = expert * N + example` is a
+    contiguous run of rows: `ends[s]` (int32 `[segments]`) is one past its last row, and
+    `seg[r]` (long) is row r's segment, `segments` (= `E * N`) for rows of zero-compute experts
+    (`trash` set), which sit after every real segment. Consumers form per-segment sums sized by
+    the routed rows (`Kernels.segment_mm`), never a padded per-example grid.
     """
 
     rows: RoutedRows
-    flat: torch.Tensor
-    length: int
+    seg: torch.Tensor
+    ends: torch.Tensor
     segments: int
     trash: bool
 
@@ -92,8 +95,7 @@ class Capture:
     """Installs capture on a model's targets; a context manager that removes everything on exit.
 
     `projector(name, side, features, like, batch)` gives the matrix rows are multiplied by on
-    capture (None: rows are kept as they are). `exact_lengths=True` sizes the routed grid by the
-    longest (expert, example) run instead of the example length (one host sync per experts call).
+    capture (None: rows are kept as they are).
     """
 
     def __init__(
@@ -103,17 +105,14 @@ class Capture:
         *,
         projector: Projector | None = None,
         kernels: Kernels | None = None,
-        exact_lengths: bool = False,
     ):
         self.model = model
         self.targets = targets
         self.projector = projector
         self.kernels = kernels or Kernels()
-        self.exact_lengths = exact_lengths
         self.batch: BatchInfo | None = None
         self.records: list[CaptureRecord] = []
         self.counts: dict[str, torch.Tensor] = {}
-        self._overflow: list[torch.Tensor] = []
         self._handles: list = []
         self._target_handles: dict[str, list] = {}
         self._restore: list[tuple[nn.Module, str, bool, object]] = []
@@ -227,7 +226,7 @@ class Capture:
     def recording(self, batch: BatchInfo) -> Iterator[None]:
         """Wrap the model's forward: records of this batch accumulate in `records` until `reset()`."""
         self.batch = batch
-        self.records, self.counts, self._overflow = [], {}, []
+        self.records, self.counts = [], {}
         if not self.taps.pending:
             yield
             return
@@ -237,13 +236,9 @@ class Capture:
             for h in self._target_handles.pop(name, []):
                 h.remove()
 
-    def overflow(self) -> torch.Tensor | None:
-        """Device scalar > 0 when a routed grid was too short (a token picked one expert twice), else None."""
-        return torch.stack(self._overflow).max() if self._overflow else None
-
     def reset(self) -> None:
         self.batch = None
-        self.records, self.counts, self._overflow = [], {}, []
+        self.records, self.counts = [], {}
 
     # -- dense targets -----------------------------------------------------------------------------
     def _project(self, name: str, side: str, features: int, like: torch.Tensor, batch: int | None = None):
@@ -309,12 +304,11 @@ class Capture:
 
     # -- experts -----------------------------------------------------------------------------------
     def _routing_grid(self, layout: ExpertsLayout, rows: RoutedRows) -> RoutedGrid:
-        """Where each routed row goes in the `[E * N, L, .]` grid (computed once per experts call).
+        """The (expert, example) segments of the routed rows (computed once per experts call).
 
         Rows are sorted expert-major then by token, so the rows of one (expert, example) pair
-        are contiguous; a row's slot is its rank inside that run. `L` is the example length, a
-        bound whenever a token picks an expert at most once, so no device sync is needed; a
-        routing that repeats an expert for one token shows in `overflow()`.
+        are contiguous, however many there are (a token that picks one expert twice gives two
+        rows of its segment): no length bound, no device sync.
         """
         cached = rows.cache.get("grid")
         if cached is not None:
@@ -329,15 +323,7 @@ class Capture:
         if trash:
             valid = rows.expert < e
             seg = torch.where(valid, seg, e * n)
-        pos = torch.arange(seg.numel(), device=seg.device) - torch.searchsorted(seg, seg)
-        if self.exact_lengths:
-            length = max(int(pos.max()) + 1 if pos.numel() else 1, 1)
-        else:
-            length = per_example
-            self._overflow.append(pos.max() - (length - 1) if pos.numel() else pos.new_zeros(()))
-        flat = seg * length + pos
-        if trash:
-            flat = torch.where(valid, flat, -1)
+        ends = torch.searchsorted(seg, torch.arange(1, e * n + 1, device=seg.device), out_int32=True)
         real = batch.mask[rows.token] if batch.mask is not None and rows.num_tokens == batch.mask.numel() else None
         if real is None:
             real = torch.ones(seg.shape, device=seg.device)
@@ -345,7 +331,7 @@ class Capture:
             real = real * valid
         routed = torch.zeros(e * n + 1, device=seg.device).index_add_(0, seg, real)[:-1]
         self.counts[layout.name] = routed.view(e, n).t()
-        grid = RoutedGrid(rows, flat, length, e * n, trash)
+        grid = RoutedGrid(rows, seg, ends, e * n, trash)
         rows.cache["grid"] = grid
         return grid
 

@@ -4,9 +4,10 @@ For a linear map `y = x W^T` the gradient of example n's loss is `sum_t dy_t x_t
 tokens. `moe_attrib.capture` records each target's input rows and output-gradient rows (projected
 first when a projection is set: `P_out dy`, `P_in x`, so nothing of size `out x in` is formed);
 this module turns records into gradients. Dense records of the same shape are formed together
-with one batched matmul; every experts layer's routed rows are placed in one `[sum E * N, L, p]`
-grid and formed with one batched matmul. No parameter gradient is computed: parameters are frozen
-during collection and only activation gradients flow.
+with one batched matmul; the experts layers' routed rows are formed per (expert, example)
+segment by one grouped GEMM per chunk of layers (`Kernels.segment_mm`), whose temporaries are
+sized by the routed rows. No parameter gradient is computed: parameters are frozen during
+collection and only activation gradients flow.
 """
 
 from __future__ import annotations
@@ -56,25 +57,44 @@ def _accumulate(results: dict[str, torch.Tensor], key: str, value: torch.Tensor)
     results[key] = results[key] + value if key in results else value
 
 
-def form_examples(records: list[CaptureRecord], n: int) -> dict[str, torch.Tensor]:
+# bytes of routed rows (both sides) and per-segment outputs formed in one experts call (one chunk of layers)
+EXPERTS_CHUNK_BYTES = 512 * 2**20
+
+
+def form_examples(
+    records: list[CaptureRecord],
+    n: int,
+    kernels: Kernels | None = None,
+    chunk_bytes: int = EXPERTS_CHUNK_BYTES,
+) -> dict[str, torch.Tensor]:
     """Per-example gradients `{"<target>.weight|bias" or "<experts>.<proj>.weight|bias": [N, (E,) ...]}`.
 
-    Records whose rows have the same widths, orientation and grid shape are formed together:
-    dense targets as `[T * N, R, .]` batches, experts by concatenating every layer's routed rows
-    into one `[sum E * N, L, .]` grid; each group is one batched matmul.
+    Records whose rows have the same widths and orientation are formed together: dense targets
+    as `[T * N, R, .]` batches (one batched matmul), experts layers in chunks of at most
+    `chunk_bytes` (rows of both sides plus outputs; a layer over it is a chunk of its own), each
+    chunk one `kernels.segment_mm` over its layers' (expert, example) segments.
     """
+    kernels = kernels or Kernels()
     groups: dict[tuple, list[CaptureRecord]] = {}
     for c in records:
         if c.g is None:
             continue
-        kind = ("experts", c.grid.length) if c.grid is not None else ("dense", c.x.shape[1])
+        kind = ("experts", 0) if c.grid is not None else ("dense", c.x.shape[1])
         groups.setdefault((*kind, c.transposed, c.x.shape[-1], c.g.shape[-1]), []).append(c)
     results: dict[str, torch.Tensor] = {}
     for key, recs in groups.items():
         if key[0] == "dense":
             _form_dense(results, recs, n)
-        else:
-            _form_experts(results, recs, key[1], n)
+            continue
+        chunk, size = [], 0
+        for c in recs:
+            cost = 4 * (c.x.numel() + c.g.numel() + c.grid.segments * c.x.shape[-1] * c.g.shape[-1])
+            if chunk and size + cost > chunk_bytes:
+                _form_experts(results, chunk, n, kernels)
+                chunk, size = [], 0
+            chunk.append(c)
+            size += cost
+        _form_experts(results, chunk, n, kernels)
     return results
 
 
@@ -90,35 +110,36 @@ def _form_dense(results: dict, recs: list[CaptureRecord], n: int) -> None:
             _accumulate(results, f"{c.name}.bias", bias[i * n : (i + 1) * n])
 
 
-def _form_experts(results: dict, recs: list[CaptureRecord], length: int, n: int) -> None:
-    flats, base = [], 0
-    total = sum(c.grid.segments for c in recs)
-    trash = total * length
+def _form_experts(results: dict, recs: list[CaptureRecord], n: int, kernels: Kernels) -> None:
+    """Experts records of one chunk: their rows and segments concatenated, one `segment_mm`.
+
+    Each layer contributes its `E * N` segments and then one segment holding its remaining rows
+    (zero-compute experts, or none), whose product is dropped.
+    """
+    ends, segs, base_rows, base_segs = [], [], 0, 0
     for c in recs:
-        flat = c.grid.flat + base * length
-        if c.grid.trash:
-            flat = torch.where(c.grid.flat < 0, trash, flat)
-        flats.append(flat)
-        base += c.grid.segments
-    flat = torch.cat(flats) if len(flats) > 1 else flats[0]
-
-    def grid(values: torch.Tensor) -> torch.Tensor:
-        out = values.new_zeros(trash + 1, values.shape[-1])
-        out.index_copy_(0, flat, values)
-        return out[:-1].view(total, length, values.shape[-1])
-
-    gx = grid(torch.cat([c.x for c in recs]) if len(recs) > 1 else recs[0].x)
-    gy = grid(torch.cat([c.g for c in recs]) if len(recs) > 1 else recs[0].g)
-    left, right = (gx, gy) if recs[0].transposed else (gy, gx)
-    w = torch.bmm(left.transpose(1, 2), right)
-    bias = gy.sum(dim=1) if any(c.has_bias for c in recs) else None
+        rows = c.x.shape[0]
+        ends.append(c.grid.ends + base_rows)
+        ends.append(c.grid.ends.new_full((1,), base_rows + rows))
+        segs.append(c.grid.seg + base_segs)
+        base_rows += rows
+        base_segs += c.grid.segments + 1
+    ends = torch.cat(ends)
+    x = torch.cat([c.x for c in recs]) if len(recs) > 1 else recs[0].x
+    g = torch.cat([c.g for c in recs]) if len(recs) > 1 else recs[0].g
+    left, right = (x, g) if recs[0].transposed else (g, x)
+    w = kernels.segment_mm(left, right, ends)
+    bias = None
+    if any(c.has_bias for c in recs):
+        seg = torch.cat(segs) if len(segs) > 1 else segs[0]
+        bias = g.new_zeros(base_segs, g.shape[-1]).index_add_(0, seg, g)
     start = 0
     for c in recs:
         e, stop = c.layout.num_experts, start + c.grid.segments
         _accumulate(results, f"{c.name}.weight", w[start:stop].view(e, n, *w.shape[1:]).transpose(0, 1))
         if c.has_bias:
             _accumulate(results, f"{c.name}.bias", bias[start:stop].view(e, n, -1).transpose(0, 1))
-        start = stop
+        start = stop + 1
 
 
 def form_tokens(records: list[CaptureRecord], batch: BatchInfo, expert_blocks: str) -> dict[str, torch.Tensor]:
@@ -182,14 +203,12 @@ class GradientCollector:
         seed: int = 0,
         projector: Callable | None = None,
         row_sink: Callable | None = None,
-        exact_lengths: bool = False,
         projection: str = PROJECTION,
     ):
         """`projector(name, side, features, like, batch)` replaces the seeded random projections
         (EK-FAC uses it to rotate rows into its eigenbases); `row_sink(records, batch)` receives the
         `CaptureRecord`s and `BatchInfo` instead of forming per-example gradients (EK-FAC's
-        covariances). `exact_lengths=True` sizes routed grids exactly (no retry, a sync per layer).
-        `projection`: the kind of seeded projection (`moe_attrib.projection`; an index's own kind)."""
+        covariances). `projection`: the kind of seeded projection (`moe_attrib.projection`; an index's own kind)."""
         self.model = model
         self.projector = projector
         self.row_sink = row_sink
@@ -197,7 +216,6 @@ class GradientCollector:
         self.projection_dim = projection_dim
         self.seed = seed
         self.projection = projection
-        self.exact_lengths = exact_lengths
         self.kernels = Kernels()
         self.capture: Capture | None = None
         self._proj: Projections | None = None
@@ -213,7 +231,6 @@ class GradientCollector:
             self.report.targets,
             projector=self._projection if projecting else None,
             kernels=self.kernels,
-            exact_lengths=self.exact_lengths,
         )
         self.capture = capture.__enter__()
         return self
@@ -249,7 +266,7 @@ class GradientCollector:
         experts block is `[N, S, E, ...]`, or `[N, S, ...]` summed over the experts the token was
         routed to with `expert_blocks="sum"`. `sample_labels=True` draws next tokens from the
         model's own predictions (the true Fisher's labels) instead of using the data's.
-        At most one host sync per batch: the check that no routed grid overflowed.
+        Forming the gradients waits for no host sync (no per-example length bound, no retry).
         """
         if self.capture is None:
             raise RuntimeError("GradientCollector.collect() needs an entered collector: `with GradientCollector(...)`.")
@@ -271,22 +288,16 @@ class GradientCollector:
                 losses = example_losses(out.logits, labels)
                 del out
                 losses.sum().backward()
-            overflow = capture.overflow()
-            redo = overflow is not None and int(overflow) > 0  # the batch's one host sync
-            if redo:
-                capture.exact_lengths = True  # a token picked one expert twice: redo with exact grid lengths
-            elif self.row_sink is not None:
+            if self.row_sink is not None:
                 self.row_sink(capture.records, batch)
                 results = {}
             elif per_token:
                 results = form_tokens(capture.records, batch, expert_blocks)
             else:
-                results = form_examples(capture.records, n)
+                results = form_examples(capture.records, n, self.kernels)
             counts = capture.counts
         finally:
             capture.reset()
-        if redo:
-            return self.collect(input_ids, attention_mask, labels, fused_experts, per_token, expert_blocks, False)
         if self.row_sink is not None:
             result = PerExampleGradients()
             result.losses, result.expert_counts, result.expert_layers = losses.detach(), None, []

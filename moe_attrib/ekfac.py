@@ -29,6 +29,7 @@ from moe_attrib.data import Example, token_batches
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
+from moe_attrib.layouts import Kernels
 from moe_attrib.pipeline import batch_inputs, prefetch, to_device
 from moe_attrib.projection import PROJECTION, Projections, check_kind, projection_kind
 
@@ -208,10 +209,15 @@ def format_plan(plan: dict) -> str:
 
 
 class _Accumulator:
-    """Row sink for pass 1: sums of x x^T and g g^T over real tokens, per expert for experts."""
+    """Row sink for pass 1: sums of x x^T and g g^T over real tokens, per expert for experts.
+
+    An expert's routed rows are one contiguous segment, so its sums come from one float64
+    `Kernels.segment_mm` per side, sized by the routed rows (no padded grid, no host sync).
+    """
 
     def __init__(self, factors: dict[str, Factor]):
         self.factors = factors
+        self.kernels = Kernels()
 
     def __call__(self, records: list[CaptureRecord], batch: BatchInfo) -> None:
         for c in records:
@@ -228,19 +234,13 @@ class _Accumulator:
                 f.tokens += real.sum().to(f.tokens.device)
                 continue
             rows, e = c.grid.rows, c.layout.num_experts
-            valid = rows.expert < e
-            real = valid.double()
+            real = (rows.expert < e).double()  # rows of zero-compute experts (past offsets[e - 1]) count nothing
             mask = c.row_mask(batch)
             if mask is not None:
                 real = real * mask.double()
-            pos = torch.arange(rows.expert.numel(), device=real.device) - torch.searchsorted(rows.expert, rows.expert)
-            length = max(int(pos.max()) + 1, 1) if pos.numel() else 1
-            flat = torch.where(valid, rows.expert * length + pos, e * length)
             for cov, values in ((f.A, c.x), (f.G, c.g)):
-                grid = torch.zeros(e * length + 1, values.shape[-1], dtype=torch.float64, device=real.device)
-                grid.index_copy_(0, flat, values.double() * real[:, None])  # real is 0/1: real^2 = real
-                grid = grid[:-1].view(e, length, -1)
-                cov += torch.bmm(grid.transpose(1, 2), grid).to(cov.device)
+                values = values.double()
+                cov += self.kernels.segment_mm(values * real[:, None], values, rows.offsets[:e]).to(cov.device)
             counts = torch.zeros(e + 1, dtype=torch.float64, device=real.device)
             f.tokens += counts.index_add_(0, rows.expert.clamp(max=e), real)[:e].to(f.tokens.device)
 
@@ -366,7 +366,6 @@ def fit_ekfac(
         projection_dim=projection_dim,
         seed=seed,
         row_sink=lambda records, batch: sink(records, batch) if live[0] else None,
-        exact_lengths=True,
         projection=projection,
     ) as collector:
         gen_state = torch.random.get_rng_state()
@@ -406,7 +405,7 @@ def fit_ekfac(
             rotated = out[key].double().to(fdev)  # [N, (E,) rows, cols]
             f.lam += (rotated**2).sum(dim=0)
 
-    with GradientCollector(model, report, projector=rotator, exact_lengths=True) as collector:
+    with GradientCollector(model, report, projector=rotator) as collector:
         run(collector, "ekfac eigenvalue correction", add)
     torch.random.set_rng_state(gen_state)
     dist.all_reduce_(total)

@@ -101,3 +101,65 @@ def test_cuda_build_pipeline_equals_cpu_build(tmp_path):
     a, b = np.asarray(gpu.gradients), np.asarray(cpu.gradients)
     assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max()  # tf32 may be on for CUDA matmuls
     assert np.allclose(gpu.losses, cpu.losses, rtol=1e-3) and np.array_equal(gpu.expert_counts, cpu.expert_counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_segment_sums_match_brute_force(dtype):
+    """Per-segment sums on CUDA: bf16 through grouped_mm (offsets along the contracted rows), fp32 through
+    the tiled batched matmuls; a skewed segment, empty segments and rows past the last segment."""
+    from moe_attrib.layouts import Kernels
+    from moe_attrib.layouts.kernels import tiled_segment_mm
+
+    gen = torch.Generator().manual_seed(0)
+    rows, segments, a, b = 4096, 256, 32, 16
+    seg = torch.randint(4, segments - 1, (rows,), generator=gen)
+    seg[: rows * 3 // 4] = 1  # one segment takes most rows
+    seg[-5:] = segments  # past the last segment: ignored
+    seg = seg.sort().values
+    ends = torch.searchsorted(seg, torch.arange(1, segments + 1), out_int32=True)
+    left = torch.randn(rows, a, generator=gen).to(dtype)
+    right = torch.randn(rows, b, generator=gen).to(dtype)
+    expected = torch.zeros(segments, a, b, dtype=torch.float64)
+    for s in range(segments):
+        expected[s] = left[seg == s].double().T @ right[seg == s].double()
+    kernels = Kernels()
+    got = kernels.segment_mm(left.cuda(), right.cuda(), ends.cuda()).cpu()
+    assert kernels.fallbacks == {}
+    assert got.shape == expected.shape
+    assert all(torch.equal(got[s], torch.zeros_like(got[s])) for s in (0, 3, segments - 1))
+    tol = 1e-3 if dtype == torch.float32 else 1e-2  # tf32 may be on; bf16 output rounding
+    assert rel_err(got, expected) < tol
+    tiled = tiled_segment_mm(left.cuda(), right.cuda(), ends.cuda()).cpu()
+    assert rel_err(tiled, expected) < tol
+
+
+def test_cuda_formation_peak_memory_sized_by_routed_rows(monkeypatch):
+    """Peak memory of forming 64-expert per-example gradients stays a small multiple of the routed rows
+    and outputs, well under the old padded `[E * N, L, p]` grid (one side: 8.4 MB here)."""
+    import moe_attrib.collector as collector_module
+
+    experts, top_k, n, length, p = 64, 2, 8, 128, 8
+    sizes = dict(num_experts=experts, num_local_experts=experts, n_routed_experts=experts)
+    model = tiny_model("qwen3_moe", num_experts_per_tok=top_k, **sizes).cuda()
+    ids = torch.randint(3, 128, (n, length), generator=torch.Generator().manual_seed(0)).cuda()
+    peaks = []
+    original = collector_module.form_examples
+
+    def measured(records, *args, **kwargs):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = original(records, *args, **kwargs)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        return out
+
+    monkeypatch.setattr(collector_module, "form_examples", measured)
+    ma.per_example_gradients(model, ids, projection_dim=p)
+    calls = 2 * model.config.num_hidden_layers
+    rows = n * length * top_k
+    old_grid_side = 4 * calls * experts * n * length * p
+    bound = 4 * 4 * (calls * rows * p + calls * (experts * n + 1) * p * p) + 2**20
+    print(f"formation peak {peaks[0] / 2**20:.2f} MiB, bound {bound / 2**20:.2f}, old grid {old_grid_side / 2**20:.2f}")
+    assert bound < old_grid_side  # the old formation held two such sides at once
+    assert peaks[0] <= bound

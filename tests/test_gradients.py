@@ -125,7 +125,10 @@ class HashRoutedBlock(torch.nn.Module):
         logits = torch.nn.functional.linear(flat, self.gate.weight)
         ids = self.input_ids.reshape(-1)
         index = torch.stack([ids % (self.num_experts - 1), (ids // 7) % (self.num_experts - 1)], dim=-1)
-        if self.repeat:  # every token picks expert 0 or 1, in both slots (rows per example > length)
+        if self.repeat == "skewed":  # expert 0 takes ~90% of the tokens, experts 3..7 none
+            index[:, 0] = torch.where(ids % 10 == 0, 2, 0)
+            index[:, 1] = 1
+        elif self.repeat:  # every token picks expert 0 or 1, in both slots (rows per example > length)
             index[:] = (ids % 2 * (ids % 5 == 0)).unsqueeze(-1)
         else:
             index[:, 1] = torch.where(
@@ -135,7 +138,7 @@ class HashRoutedBlock(torch.nn.Module):
         return self.experts(flat, index, weights).reshape(b, s, h)
 
 
-@pytest.mark.parametrize("repeat", [False, True], ids=["distinct", "repeated-expert"])
+@pytest.mark.parametrize("repeat", [False, True, "skewed"], ids=["distinct", "repeated-expert", "skewed"])
 def test_hand_built_hash_routed_block_and_idle_expert(padded_batch, repeat):
     ids, mask = padded_batch
     model = tiny_model("qwen3_moe")
@@ -156,6 +159,9 @@ def test_hand_built_hash_routed_block_and_idle_expert(padded_batch, repeat):
     assert grads.expert_counts[:, :, 7].sum() == 0
     assert "model.layers.0.mlp.gate.weight" in grads  # router tapped inside a custom block
     assert worst < RTOL
+    if repeat == "skewed":  # empty experts are exactly zero, the crowded one exact (checked above)
+        assert grads["model.layers.1.mlp.experts.expert_4.gate_up_proj.weight"].abs().max() == 0
+        assert float(grads.expert_counts[:, 0, 0].sum()) > 0.8 * float(mask.sum())
 
 
 def test_bf16_gradients_close_to_fp32(padded_batch):
