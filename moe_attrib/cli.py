@@ -252,6 +252,7 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
                 damping=args.damping,
                 damping_scope=args.damping_scope,
                 sampled_labels=not args.empirical_fisher,
+                fold_bias=not args.no_fold_bias,
                 token_batch_size=args.token_batch_size,
                 pad_id=pad,
                 max_memory_gib=args.max_factor_memory,
@@ -595,6 +596,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--empirical_fisher",
         action="store_true",
         help="use the data's labels (empirical Fisher) instead of labels drawn from the model (true Fisher)",
+    )
+    ekfac.add_argument(
+        "--no_fold_bias",
+        action="store_true",
+        help="leave biases unpreconditioned instead of folding each into its weight's factors (a ones column)",
     )
     ekfac.add_argument("--max_factor_memory", type=positive_float, default=None, help="GiB; refuse to fit above it")
     ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")

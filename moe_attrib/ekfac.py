@@ -10,6 +10,11 @@ per-example gradient is ever formed) and averages its squares: the corrected eig
 
 With `projection_dim=p` the factors live in the projected space (the covariances of the
 projected rows, p x p each), matching the rows of an index built with the same projection.
+
+A module with a bias has its bias folded into the weight's factors, as Kronfluence does: the
+activations get a ones column (`x' = [x, 1]`, so `A` is `(a + 1) x (a + 1)`), the bias gradient
+`sum_t g_t` is the extra column of the weight gradient `sum_t g_t x'_t^T`, and weight and bias
+are preconditioned together (`fold_bias=False`: the bias is left unpreconditioned).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from tqdm.auto import tqdm
 from moe_attrib.capture import BatchInfo, CaptureRecord
 from moe_attrib.collector import GradientCollector
 from moe_attrib.data import Example, token_batches
-from moe_attrib.discovery import CoverageReport, discover
+from moe_attrib.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.layouts import Kernels
@@ -37,6 +42,7 @@ DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SC
 DEFAULT_DAMPING_SCOPE = "model"
 DEFAULT_SAMPLED_LABELS = True  # the true Fisher (labels drawn from the model), not the empirical one
 DAMPING_SCOPES = ("expert", "module", "model")
+DEFAULT_FOLD_BIAS = True  # bias preconditioned with its weight (docs/quality.md)
 
 
 class FactorMemoryError(MemoryError):
@@ -60,6 +66,18 @@ class Factor:
     lam: torch.Tensor | None = None  # [(E,) rows, cols] corrected eigenvalues, stored orientation
     examples: int = 0
     damping: torch.Tensor | None = None  # [(E,)]
+    bias: bool = False  # the bias is folded in: the input side has a trailing ones column
+
+    def augment(self, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """The folded gradient: `weight` `[..., rows, cols]` (stored orientation) with `bias` `[..., out]`
+        as the input side's extra column (a row for transposed storage)."""
+        return torch.cat([weight, bias.unsqueeze(-2 if self.transposed else -1)], dim=-2 if self.transposed else -1)
+
+    def split(self, folded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of `augment`: `(weight, bias)`."""
+        if self.transposed:
+            return folded[..., :-1, :], folded[..., -1, :]
+        return folded[..., :-1], folded[..., -1]
 
     @property
     def rows_cols(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +137,7 @@ class EKFAC:
         path.mkdir(parents=True, exist_ok=True)
         tensors, meta = {}, {}
         for name, f in self.factors.items():
-            meta[name] = {"transposed": f.transposed, "experts": f.experts, "examples": f.examples}
+            meta[name] = {"transposed": f.transposed, "experts": f.experts, "examples": f.examples, "bias": f.bias}
             for key in ("A", "G", "tokens", "QA", "QG", "eigA", "eigG", "lam", "damping"):
                 value = getattr(f, key)
                 if value is not None:
@@ -167,32 +185,37 @@ def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> E
         out.factors[name] = Factor(
             name, meta["transposed"], meta["experts"], get["A"], get["G"], get["tokens"],
             get.get("QA"), get.get("QG"), get.get("eigA"), get.get("eigG"), get.get("lam"),
-            meta["examples"], get.get("damping"),
+            meta["examples"], get.get("damping"), meta.get("bias", False),
         )  # fmt: skip
     return out
 
 
-def _dims(report: CoverageReport, p: int | None) -> list[tuple[str, bool, int | None, int, int]]:
-    """(name, transposed, experts, input dim, output dim) of every factor."""
+def _dims(report: CoverageReport, p: int | None, fold_bias: bool = False) -> list[tuple]:
+    """(name, transposed, experts, input dim, output dim, bias folded) of every factor; a folded
+    bias adds the ones column to the input dim."""
+    biased = {e.block for e in iter_entries(report.targets) if e.kind == "bias"} if fold_bias else set()
     out = []
     for t in report.targets:
         if t.kind == "experts":
             lay = t.layout
             for proj in lay.projections:
                 fin, fout = lay.features(proj)
-                out.append((f"{lay.name}.{proj}", lay.transposed, lay.num_experts, p or fin, p or fout))
+                name = f"{lay.name}.{proj}"
+                fold = name in biased
+                out.append((name, lay.transposed, lay.num_experts, (p or fin) + fold, p or fout, fold))
         else:
             rows, cols = t.module.weight.shape
             fin, fout = (rows, cols) if t.transposed else (cols, rows)
-            out.append((t.name, t.transposed, None, p or fin, p or fout))
+            fold = t.name in biased
+            out.append((t.name, t.transposed, None, (p or fin) + fold, p or fout, fold))
     return out
 
 
-def memory_plan(report: CoverageReport, projection_dim: int | None) -> dict:
+def memory_plan(report: CoverageReport, projection_dim: int | None, fold_bias: bool = DEFAULT_FOLD_BIAS) -> dict:
     """Bytes of float64 factors (A, G, eigenbases, eigenvalues, Lambda) per module kind and in total."""
     kinds = {t.name if t.kind != "experts" else f"{t.layout.name}": t.kind for t in report.targets}
     per_kind: dict[str, int] = {}
-    for name, _transposed, experts, a, g in _dims(report, projection_dim):
+    for name, _transposed, experts, a, g, _fold in _dims(report, projection_dim, fold_bias):
         e = experts or 1
         size = 8 * e * (2 * a * a + 2 * g * g + a + g + a * g)
         kind = "experts" if experts else kinds.get(name, "linear")
@@ -226,6 +249,7 @@ class _Accumulator:
             f = self.factors[c.name]
             if c.grid is None:
                 x, g = c.x.reshape(-1, c.x.shape[-1]).double(), c.g.reshape(-1, c.g.shape[-1]).double()
+                x = _with_ones(x) if f.bias else x
                 real = c.row_mask(batch)
                 real = torch.ones(x.shape[0], device=x.device) if real is None else real
                 real = real.double()[:, None]
@@ -238,11 +262,16 @@ class _Accumulator:
             mask = c.row_mask(batch)
             if mask is not None:
                 real = real * mask.double()
-            for cov, values in ((f.A, c.x), (f.G, c.g)):
+            for cov, values in ((f.A, _with_ones(c.x) if f.bias else c.x), (f.G, c.g)):
                 values = values.double()
                 cov += self.kernels.segment_mm(values * real[:, None], values, rows.offsets[:e]).to(cov.device)
             counts = torch.zeros(e + 1, dtype=torch.float64, device=real.device)
             f.tokens += counts.index_add_(0, rows.expert.clamp(max=e), real)[:e].to(f.tokens.device)
+
+
+def _with_ones(x: torch.Tensor) -> torch.Tensor:
+    """Rows with the folded bias's ones column appended."""
+    return torch.cat([x, torch.ones_like(x[..., :1])], dim=-1)
 
 
 def set_damping(factors: dict[str, Factor], damping: float, scope: str = DEFAULT_DAMPING_SCOPE) -> None:
@@ -294,6 +323,7 @@ def fit_ekfac(
     damping: float = DEFAULT_DAMPING,
     damping_scope: str = DEFAULT_DAMPING_SCOPE,
     sampled_labels: bool = DEFAULT_SAMPLED_LABELS,
+    fold_bias: bool = DEFAULT_FOLD_BIAS,
     token_batch_size: int = 8192,
     pad_id: int = 0,
     max_memory_gib: float | None = None,
@@ -307,6 +337,7 @@ def fit_ekfac(
     `damping` is relative: `damping x mean(Lambda)` over `damping_scope` (see `EKFAC.with_damping`,
     which also re-damps fitted factors without refitting). `projection` is the projection kind
     (`moe_attrib.projection`): the index's own, `projection_kind(index.manifest["settings"])`.
+    `fold_bias` preconditions each bias with its weight (a ones column on the input side).
     Refuses with `FactorMemoryError` when the factors exceed `max_memory_gib`.
     Under torchrun the sums are all-reduced, so every rank ends with the same factors.
     """
@@ -316,7 +347,7 @@ def fit_ekfac(
     dist = dist or Dist(0, 1, device)
     weights = model_fingerprint(model)  # before any expansion; recorded in ekfac.json
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
-    plan = memory_plan(report, projection_dim)
+    plan = memory_plan(report, projection_dim, fold_bias)
     if dist.is_main and progress:
         print(format_plan(plan))
     if max_memory_gib is not None and plan["total"] > max_memory_gib * 2**30:
@@ -327,7 +358,7 @@ def fit_ekfac(
         )
     fdev = torch.device(factor_device)
     factors: dict[str, Factor] = {}
-    for name, transposed, experts, a, g in _dims(report, projection_dim):
+    for name, transposed, experts, a, g, fold in _dims(report, projection_dim, fold_bias):
         lead = (experts,) if experts else ()
         factors[name] = Factor(
             name,
@@ -336,6 +367,7 @@ def fit_ekfac(
             torch.zeros(*lead, a, a, dtype=torch.float64, device=fdev),
             torch.zeros(*lead, g, g, dtype=torch.float64, device=fdev),
             torch.zeros(lead, dtype=torch.float64, device=fdev),
+            bias=fold,
         )
     shortest = min(range(len(examples)), key=lambda i: len(examples[i].input_ids))
     steps = dist.lockstep(_batches(examples, token_batch_size, dist), filler=(0, [shortest]))
@@ -390,6 +422,8 @@ def fit_ekfac(
         if key not in rotations:  # built once per target, not in every hook call
             f = factors[name]
             q = (f.QA if side == "in" else f.QG).to(like.device, torch.float32)
+            if side == "in" and f.bias:
+                q = q[..., :-1, :]  # the ones column's row enters through the bias gradient (`add`)
             if proj is not None:
                 q = proj.get(name, side, features, batch).float() @ q
             rotations[key] = q.to(like.dtype)
@@ -403,6 +437,12 @@ def fit_ekfac(
         for name, f in factors.items():
             key = f"{name}.weight"
             rotated = out[key].double().to(fdev)  # [N, (E,) rows, cols]
+            if f.bias:  # + the ones column: bias gradient (rotated) x the last row of QA
+                ones = f.QA[..., -1, :].unsqueeze(0)  # [1, (E,), a + 1]
+                bias = out[f"{name}.bias"].double().to(fdev)  # [N, (E,), g]
+                rotated = rotated + (
+                    ones.unsqueeze(-1) * bias.unsqueeze(-2) if f.transposed else bias.unsqueeze(-1) * ones.unsqueeze(-2)
+                )
             f.lam += (rotated**2).sum(dim=0)
 
     with GradientCollector(model, report, projector=rotator) as collector:
@@ -418,9 +458,9 @@ def fit_ekfac(
         factors,
         projection_dim,
         seed,
-        {"damping": damping, "damping_scope": damping_scope, "sampled_labels": sampled_labels, "examples": int(total),
-         "track_moe_experts": track_moe_experts, "filter_modules": filter_modules, "model_fingerprint": weights,
-         "projection": projection},
+        {"damping": damping, "damping_scope": damping_scope, "sampled_labels": sampled_labels, "fold_bias": fold_bias,
+         "examples": int(total), "track_moe_experts": track_moe_experts, "filter_modules": filter_modules,
+         "model_fingerprint": weights, "projection": projection},
     )  # fmt: skip
     if out is not None and dist.is_main:
         result.save(out)

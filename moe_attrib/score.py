@@ -50,7 +50,8 @@ def precondition_queries(
     """Apply EK-FAC (fitted in the index's projected space) to query rows `[Q, dim]`, block by block.
 
     Weight blocks are preconditioned with their module's factors (an expert block with its
-    expert's slice); bias blocks are left as they are.
+    expert's slice); a bias block together with its weight where the factors fold it in
+    (`fit_ekfac(fold_bias=True)`), else left as it is.
     """
     projected = index_settings["projection_dim"] is not None
     if ekfac.projection_dim != index_settings["projection_dim"] or (projected and ekfac.seed != index_settings["seed"]):
@@ -65,6 +66,7 @@ def precondition_queries(
             f"{projection_kind(index_settings)!r}; refit with `moe-attrib ekfac --index DIR` (it takes the index's)."
         )
     out = queries.clone().double()
+    by_name = {b.name: b for b in blocks}
     for b in blocks:
         if not b.name.endswith(".weight"):
             continue
@@ -79,6 +81,11 @@ def precondition_queries(
                 "expert: build the index with --expert_blocks separate to use EK-FAC."
             )
         grad = out[:, b.start : b.stop].reshape(-1, *b.shape)
+        bias = by_name.get(b.name[: -len(".weight")] + ".bias") if f.bias else None
+        if f.bias:
+            if bias is None:
+                raise ScoreError(f"the EK-FAC factor of {b.name} folds a bias that the index has no block for.")
+            grad = f.augment(grad, out[:, bias.start : bias.stop])
         if expert is not None:
             qr, qc = (q[expert] for q in f.rows_cols)
             lam, damp = f.lam[expert], f.damping[expert]
@@ -86,7 +93,10 @@ def precondition_queries(
             (qr, qc), lam, damp = f.rows_cols, f.lam, f.damping
         qr, qc, lam = qr.to(grad.device), qc.to(grad.device), lam.to(grad.device)
         rotated = qr.T @ grad @ qc
-        out[:, b.start : b.stop] = (qr @ (rotated / (lam + damp.to(grad.device))) @ qc.T).reshape(grad.shape[0], -1)
+        result = qr @ (rotated / (lam + damp.to(grad.device))) @ qc.T
+        if bias is not None:
+            result, out[:, bias.start : bias.stop] = f.split(result)
+        out[:, b.start : b.stop] = result.reshape(grad.shape[0], -1)
     return out.float()
 
 

@@ -77,9 +77,9 @@ def test_expert_factors_equal_brute_force_covariances():
 
 
 def test_corrected_eigenvalues_equal_mean_squared_rotated_gradients():
-    model = tiny_model("gpt_oss")  # transposed layouts and biases
+    model = tiny_model("gpt_oss")  # transposed layouts and biases (not folded here: see the next test)
     exs = examples(10)
-    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False)
+    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False, fold_bias=False)
     ids, mask = collate(exs, list(range(len(exs))))
     grads = ma.per_example_gradients(model, ids, mask)
     for name in [
@@ -101,6 +101,70 @@ def test_corrected_eigenvalues_equal_mean_squared_rotated_gradients():
             w = grads[f"{name}.weight"]
         expected = ((qr.transpose(-1, -2) @ w.double() @ qc) ** 2).mean(dim=0)
         assert rel_err(f.lam, expected) < 1e-5, (name, rel_err(f.lam, expected))
+
+
+def _stacked(grads, name: str, experts: int | None, kind: str) -> torch.Tensor:
+    if not experts:
+        return grads[f"{name}.{kind}"]
+    layer, proj = name.rsplit(".", 1)
+    return torch.stack([grads[f"{layer}.expert_{i}.{proj}.{kind}"] for i in range(experts)], dim=1)
+
+
+def test_folded_bias_factors_eigenvalues_and_preconditioning():
+    """Kronfluence's bias folding: `A` of `[x, 1]`, Lambda of the rotated `[W, b]` per example, and the
+    preconditioned `[W, b]` equal to a dense solve with the EK-FAC matrix."""
+    from moe_attrib.index import Block
+    from moe_attrib.score import precondition_queries
+
+    model = tiny_model("gpt_oss")  # biases on attention, routers and experts; transposed experts
+    exs = examples(10)
+    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False)
+    assert ek.settings["fold_bias"] is True
+    ids, mask = collate(exs, list(range(len(exs))))
+    inputs = []
+    hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, o: inputs.append(a[0].detach()))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    hook.remove()
+    x = inputs[0].reshape(-1, inputs[0].shape[-1])[mask.reshape(-1).bool()].double()
+    f = ek.factors["model.layers.0.self_attn.q_proj"]
+    a = x.shape[1]
+    assert f.bias and f.A.shape == (a + 1, a + 1)
+    assert rel_err(f.A[:a, :a], x.T @ x / len(x)) < 1e-5
+    assert rel_err(f.A[:a, a], x.mean(dim=0)) < 1e-5 and abs(float(f.A[a, a]) - 1.0) < 1e-12
+
+    grads = ma.per_example_gradients(model, ids, mask)
+    for name in [
+        "model.layers.1.mlp.experts.down_proj",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.mlp.router",
+    ]:
+        f = ek.factors[name]
+        folded = f.augment(_stacked(grads, name, f.experts, "weight"), _stacked(grads, name, f.experts, "bias"))
+        qr, qc = f.rows_cols
+        expected = ((qr.transpose(-1, -2) @ folded.double() @ qc) ** 2).mean(dim=0)
+        assert rel_err(f.lam, expected) < 1e-5, (name, rel_err(f.lam, expected))
+
+    name = "model.layers.0.mlp.router"
+    f = ek.factors[name]
+    w, b = grads[f"{name}.weight"][0].double(), grads[f"{name}.bias"][0].double()
+    blocks = [
+        Block(f"{name}.weight", 0, w.numel(), tuple(w.shape)),
+        Block(f"{name}.bias", w.numel(), w.numel() + b.numel(), tuple(b.shape)),
+    ]
+    query = torch.cat([w.reshape(-1), b]).float()[None]
+    got = precondition_queries(query, blocks, ek, {"projection_dim": None, "seed": 0})[0].double()
+    qr, qc = f.rows_cols
+    kron = torch.kron(qr, qc)  # row-major vec: vec(qr^T F qc) = kron(qr, qc)^T vec(F)
+    dense = kron @ torch.diag((f.lam + f.damping).reshape(-1)) @ kron.T
+    want_w, want_b = f.split(torch.linalg.solve(dense, f.augment(w, b).reshape(-1)).view(f.lam.shape))
+    assert rel_err(got[: w.numel()], want_w.reshape(-1)) < 1e-5
+    assert rel_err(got[w.numel() :], want_b) < 1e-5
+    unfolded = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False, fold_bias=False)
+    assert torch.equal(
+        precondition_queries(query, blocks, unfolded, {"projection_dim": None, "seed": 0})[0, w.numel() :],
+        query[0, w.numel() :],
+    )
 
 
 def test_projected_factors_are_projected_covariances():
