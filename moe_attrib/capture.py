@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -33,6 +34,11 @@ from moe_attrib.layouts import (
     null_sink,
 )
 from moe_attrib.taps import WeightTaps
+
+# experts modules whose collection forward was checked against their own forward in this process,
+# with the (layout family, class) it was checked for: later captures (another build, the queries) skip the
+# check, which runs the module's eager forward (a loop over experts: seconds on a full-size model)
+_VERIFIED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 Projector = Callable[[str, str, int, torch.Tensor, "int | None"], torch.Tensor]
 
@@ -117,7 +123,6 @@ class Capture:
         self._target_handles: dict[str, list] = {}
         self._restore: list[tuple[nn.Module, str, bool, object]] = []
         self._requires_grad: dict[nn.Parameter, bool] = {}
-        self._verified: set[int] = set()
         self.taps = WeightTaps(model, [t for t in targets if t.kind in ("linear", "router")], self._tapped)
 
     # -- installation -------------------------------------------------------------------------
@@ -189,7 +194,7 @@ class Capture:
         grouped = layout.collection_forward(self.kernels, self._experts_sink)
 
         def forward(*args, **kwargs):
-            if id(module) not in self._verified:
+            if _VERIFIED.get(module) != (layout.family, type(module)):
                 self._verify(layout, reference, args, kwargs)
             return grouped(*args, **kwargs)
 
@@ -197,7 +202,7 @@ class Capture:
         module.__dict__[attr] = forward
 
     def _verify(self, layout: ExpertsLayout, reference: Callable, args, kwargs) -> None:
-        """Check the collection forward against the module's own forward, once per module."""
+        """Check the collection forward against the module's own forward, once per module and process."""
         with torch.no_grad():
             ref = reference(*args, **kwargs)
             try:
@@ -219,7 +224,7 @@ class Capture:
                 f"differs from the module's own forward (relative error {float(err):.2e}). Its layout is not the "
                 "one declared or assumed; register a layout family in moe_attrib/layouts/."
             )
-        self._verified.add(id(layout.module))
+        _VERIFIED[layout.module] = (layout.family, type(layout.module))
 
     # -- one batch -------------------------------------------------------------------------------
     @contextlib.contextmanager

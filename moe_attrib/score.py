@@ -127,7 +127,11 @@ def prepare_queries(
 ) -> torch.Tensor:
     """Query rows as they are multiplied with the index: EK-FAC preconditioned, restricted to the
     blocks matching `modules` (other columns zero), and/or unit-normalised."""
-    q = torch.as_tensor(np.asarray(queries), dtype=torch.float32)
+    q = (
+        queries.detach().float().cpu()
+        if isinstance(queries, torch.Tensor)
+        else torch.as_tensor(np.asarray(queries), dtype=torch.float32)
+    )
     if q.ndim != 2 or q.shape[1] != index.gradients.shape[1]:
         raise ScoreError(f"queries have shape {tuple(q.shape)}, the index has {index.gradients.shape[1]} columns.")
     mask = module_columns(index.blocks, modules)

@@ -30,9 +30,21 @@ def main() -> None:
     try:
         for family in families:
             model = f"{work}/{family}/model"
-            run(["build", model, data, "--index", f"{work}/{family}/fsdp_index", "--fsdp", "--quiet", *COMMON])
+            run(
+                [
+                    "build",
+                    model,
+                    data,
+                    "--index",
+                    f"{work}/{family}/fsdp_index",
+                    "--fsdp",
+                    "--overwrite",
+                    "--quiet",
+                    *COMMON,
+                ]
+            )
             ekfac = f"{work}/{family}/fsdp_ekfac"
-            run(["ekfac", model, data, "--out", ekfac, "--fsdp", "--quiet", *COMMON, *EKFAC_ARGS])
+            run(["ekfac", model, data, "--out", ekfac, "--fsdp", "--overwrite", "--quiet", *COMMON, *EKFAC_ARGS])
             scores = f"{work}/{family}/fsdp_scores.jsonl"
             run(["score", "--index", f"{work}/{family}/fsdp_index", model, data, "--out", scores, "--fsdp"])
     finally:

@@ -161,6 +161,7 @@ def test_torchrun_two_processes_equal_one(model_dir, tmp_path):
             *args,
             "--index",
             str(two),
+            "--overwrite",  # a retried run (see run_torchrun) replaces what the aborted one wrote
             "--quiet",
             "--precision",
             "fp32",

@@ -342,3 +342,27 @@ def test_grouped_linear_token_rows_sum_to_its_example_gradient(padded_batch, pro
     assert tokens[key].shape[:2] == ids.shape
     assert rel_err(tokens[key].sum(dim=1), examples[key]) < 1e-5
     assert tokens[key][mask == 0].abs().max() == 0  # padding positions carry nothing
+
+
+def test_experts_are_checked_once_per_process(padded_batch, monkeypatch):
+    """The check against the module's own (eager, slow) forward runs on the first capture only;
+    a later collector on the same module skips it and still gives the same gradients."""
+    from moe_attrib.capture import Capture
+
+    ids, mask = padded_batch
+    model = tiny_model("qwen3_moe")
+    calls = []
+    original = Capture._verify
+    monkeypatch.setattr(
+        Capture, "_verify", lambda self, layout, *a: calls.append(layout.name) or original(self, layout, *a)
+    )
+    with ma.GradientCollector(model, projection_dim=4) as collector:
+        first = collector.collect(ids, mask)
+    assert sorted(calls) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    with ma.GradientCollector(model, projection_dim=4) as collector:
+        second = collector.collect(ids, mask)
+    assert len(calls) == 2
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    with ma.GradientCollector(tiny_model("qwen3_moe"), projection_dim=4) as collector:  # another model: checked
+        collector.collect(ids, mask)
+    assert len(calls) == 4

@@ -274,6 +274,7 @@ def test_cli_torchrun_two_ranks_equal_one(model_dir, tmp_path):  # noqa: F811
             "cpu",
             "--out",
             str(tmp_path / "two"),
+            "--overwrite",  # a retried run (see run_torchrun) replaces what the aborted one wrote
         ],
         capture_output=True,
         text=True,
