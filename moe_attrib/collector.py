@@ -30,12 +30,15 @@ class PerExampleGradients(dict):
 
     `losses`: `[N]` summed token cross-entropy per example. `expert_counts`: `[N, layers, E]`
     real (non-padding) tokens of each example routed to each expert, one row per experts
-    module in `expert_layers` order (layers with fewer experts are zero-padded).
+    module in `expert_layers` order (layers with fewer experts are zero-padded). `missing`: the
+    targets (`<module>` or `<experts>.<proj>`) that received no gradient in this batch (off the
+    loss path), whose entries are zeros.
     """
 
     losses: torch.Tensor
     expert_counts: torch.Tensor
     expert_layers: list[str]
+    missing: frozenset = frozenset()
 
 
 def example_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -340,6 +343,7 @@ class GradientCollector:
                 stacklevel=3,
             )
         result.losses = losses
+        result.missing = frozenset(missing)
         layers = [lay.name for lay in self.report.experts if lay.name in counts]
         width = max((counts[name].shape[1] for name in layers), default=0)
         expert_counts = torch.zeros(n, len(layers), width, device=losses.device)

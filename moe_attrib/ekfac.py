@@ -435,6 +435,8 @@ def fit_ekfac(
         nonlocal total
         total += out.losses.shape[0]
         for name, f in factors.items():
+            if name in out.missing:  # off the loss path in this batch: a zero gradient adds nothing
+                continue
             key = f"{name}.weight"
             rotated = out[key].double().to(fdev)  # [N, (E,) rows, cols]
             if f.bias:  # + the ones column: bias gradient (rotated) x the last row of QA

@@ -320,3 +320,16 @@ def test_partitions_merge(tmp_path):
         assert rel_err(merged.factors[name].lam, f.lam) < 1e-5, name  # rows are rotated in fp32
     with pytest.raises(ValueError, match="twice"):
         load_ekfac([tmp_path / "a", tmp_path / "a"])
+
+
+def test_modules_off_the_loss_path_get_empty_factors_not_an_error():
+    """deepseek_v4's attention compressor receives no gradient: its factors stay empty (zero Lambda,
+    no tokens) and the rest are fitted; the eigenvalue pass used to fail on its zero-filled entry."""
+    model = tiny_model("deepseek_v4")
+    ek = fit_ekfac(model, examples(6), projection_dim=8, progress=False, sampled_labels=False)
+    off = [n for n in ek.factors if ".compressor." in n]
+    assert off and all(
+        float(ek.factors[n].lam.abs().max()) == 0 and float(ek.factors[n].tokens.sum()) == 0 for n in off
+    )
+    on = ek.factors["model.layers.0.mlp.experts.down_proj"]
+    assert float(on.lam.max()) > 0 and bool((ek.factors[off[0]].damping > 0).all())
