@@ -63,11 +63,15 @@ class Config:
     batch: int = 16
     lr: float = 3e-3  # peak; linear decay to 0 over the run
     seed: int = 0
+    shared_vocab: bool = False  # every domain answers with the same words (moe_attrib.synthetic)
 
 
 CONFIGS = {
     "cpu": Config(),
-    "cpu-gpt_oss": Config(family="gpt_oss"),  # biases on attention, experts and router: bias folding
+    "cpu-gpt_oss": Config(family="gpt_oss"),
+    "cpu-shared": Config(
+        shared_vocab=True
+    ),  # the output layer cannot tell the domains apart  # biases on attention, experts and router: bias folding
     "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
     "gpu": Config(
         hidden=256,
@@ -89,7 +93,13 @@ CONFIGS = {
 # -- data and training --------------------------------------------------------------------------
 def corpus(cfg: Config, root: Path):
     train, queries = multi_domain_corpus(
-        cfg.people, cfg.arithmetic, cfg.sequences, cfg.queries_per_domain, cfg.seed, fact_queries="statement"
+        cfg.people,
+        cfg.arithmetic,
+        cfg.sequences,
+        cfg.queries_per_domain,
+        cfg.seed,
+        fact_queries="statement",
+        shared_vocab=cfg.shared_vocab,
     )
     for name, rows in (("train.jsonl", train), ("queries.jsonl", queries)):
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -343,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = CONFIGS[args.config]
     torch.set_num_threads(max(1, args.workers))
     fields = asdict(cfg)
-    if fields["family"] == "qwen3_moe":  # caches made before the field existed stay valid
+    if fields["family"] == "qwen3_moe":  # caches made before these fields existed stay valid
         del fields["family"]
+    if not fields["shared_vocab"]:
+        del fields["shared_vocab"]
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     cache = Path(args.cache) / f"lds-{args.config}-{key}"
     cache.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,7 @@ def multi_domain_corpus(
     seed: int = 0,
     fact_queries: str = "question",
     fact_query_count: int | None = None,
+    shared_vocab: bool = False,
 ) -> tuple[list[dict], list[dict]]:
     """Training records and held-out queries over three domains.
 
@@ -55,13 +56,18 @@ def multi_domain_corpus(
     `fact_query_count` (default `queries_per_domain`) sets how many facts are queried.
     arithmetic: `add three and four mod ten :` -> `seven`; queries are unseen pairs.
     sequences: `reverse a c f :` -> `f c a`; queries are unseen sequences.
+    `shared_vocab=True`: every domain answers with the same ten digit words (a fact's value is a
+    digit word, sequences are of digit words), so the output tokens no longer tell the domains
+    apart; only the prompts do.
     """
+    values = {rel: DIGITS[2 * i : 2 * i + 6] for i, rel in enumerate(VALUES)} if shared_vocab else VALUES
+    symbols = DIGITS[:8] if shared_vocab else LETTERS
     rng = random.Random(seed)
     train: list[dict] = []
     facts = []
     for name in _people(people, rng):
         for rel, stmt in STATEMENTS.items():
-            value = rng.choice(VALUES[rel])
+            value = rng.choice(values[rel])
             facts.append((len(train), name, rel, value))
             train.append(
                 {
@@ -78,7 +84,7 @@ def multi_domain_corpus(
         train.append(_arith(a, b))
     seqs = set()
     while len(seqs) < sequences + queries_per_domain:
-        seqs.add(tuple(rng.sample(LETTERS, rng.randint(3, 5))))
+        seqs.add(tuple(rng.sample(symbols, rng.randint(3, 5))))
     seqs = sorted(seqs)
     rng.shuffle(seqs)
     for s in seqs[:sequences]:

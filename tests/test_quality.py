@@ -182,3 +182,21 @@ def test_module_restricted_scores_equal_brute_force_on_those_columns(small_index
     assert np.allclose(top.parts.sum(-1), top.values, rtol=1e-4, atol=1e-8)
     with pytest.raises(ma.ScoreError, match="matches no block"):
         ma.score_matrix(index, q, modules="*.nothing.*")
+
+
+def test_shared_vocab_corpus_answers_every_domain_with_the_same_words():
+    """`shared_vocab=True` (the LDS `cpu-shared` configuration): every completion word of every domain
+    is a digit word; the default corpus is unchanged by the option (same rows, same random draws)."""
+    from moe_attrib.synthetic import DIGITS, multi_domain_corpus
+
+    train, queries = multi_domain_corpus(shared_vocab=True, fact_queries="statement")
+    words = {
+        d: {w for r in train + queries if r["domain"] == d for w in r["completion"].split() if w != "."}
+        for d in ("facts", "arithmetic", "sequences")
+    }
+    assert all(words[d] and words[d] <= set(DIGITS) for d in words), words
+    plain, _ = multi_domain_corpus(fact_queries="statement")
+    assert [r["prompt"] for r in plain] == [r["prompt"] for r in train if r["domain"] == "facts"] + [
+        r["prompt"] for r in plain if r["domain"] == "arithmetic"
+    ] + [r["prompt"] for r in plain if r["domain"] == "sequences"]
+    assert {w for r in plain if r["domain"] == "facts" for w in r["completion"].split()} & set(DIGITS) == set()
