@@ -95,7 +95,7 @@ def print_sharding_plan(args: argparse.Namespace, model, dist, factors: bool = F
     """`--fsdp`: the memory plan per rank (parameters, activations, routed grid, factors) before the run."""
     if not dist.fsdp or not dist.is_main:
         return
-    from moe_attrib.sharding import format_memory_plan, memory_plan
+    from moe_attrib.plan import format_memory_plan, memory_plan
 
     plan = memory_plan(model, dist.world, args.token_batch_size, projection(args), args.track_moe_experts, factors)
     print(format_memory_plan(plan), flush=True)

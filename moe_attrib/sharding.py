@@ -47,10 +47,11 @@ def shard_model(model: nn.Module, dist: Dist) -> nn.Module:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return any(_is_dtensor(p) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
+    """A parameter FSDP2 has sharded (a DTensor)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
@@ -74,7 +75,7 @@ def local_rows(t: torch.Tensor) -> tuple[int, int]:
 def sample_values(t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """`t.reshape(-1)[positions]` of a tensor that may be an FSDP2-sharded DTensor (gathered: only
     the sampled values travel, never the whole tensor). Every rank must call it, in the same order."""
-    if not _is_dtensor(t):
+    if not is_dtensor(t):
         return t.detach().reshape(-1)[positions.to(t.device)]
     start, stop = local_rows(t)
     per_row = t[0].numel() if t.dim() > 0 and t.shape[0] else 1
@@ -229,7 +230,7 @@ def load_sharded(spec: str, dtype: torch.dtype, dist: Dist) -> nn.Module:
 
 
 def _fill(key: str, target: torch.Tensor, plan: _Plan, reader: _Reader, spec: str) -> None:
-    sharded = _is_dtensor(target)
+    sharded = is_dtensor(target)
     start, stop = local_rows(target) if sharded else (None, None)
     local = target.to_local() if sharded else target
     if sharded and start == stop:
@@ -249,63 +250,3 @@ def _fill(key: str, target: torch.Tensor, plan: _Plan, reader: _Reader, spec: st
             f"is {tuple(local.shape)} (rows {start}:{stop}); the checkpoint does not match its config."
         )
     local.copy_(values.to(local.dtype))
-
-
-# -- memory plan --------------------------------------------------------------------------------------
-def memory_plan(
-    model: nn.Module,
-    world: int,
-    token_batch_size: int,
-    projection_dim: int | None,
-    track_moe_experts: bool = True,
-    factors: bool = False,
-) -> dict[str, int]:
-    """Bytes per rank of a sharded collection run: parameter shards, the gathered layers, activations
-    kept for the backward (an estimate from the config), the routed grid's capture rows and, for EK-FAC,
-    the float64 factors (whole on every rank: they are all-reduced)."""
-    from moe_attrib.discovery import discover
-
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    params = [p.to_local() if _is_dtensor(p) else p for p in model.parameters()]
-    layer = max((sum(nbytes(p) for p in m.parameters()) for m in decoder_layers(model)), default=0)
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    hidden = getattr(cfg, "hidden_size", 0)
-    layers = len(decoder_layers(model))
-    top_k = getattr(cfg, "num_experts_per_tok", None) or getattr(cfg, "moe_topk", None) or 1
-    inter = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", 0) or 0
-    size = next(model.parameters()).element_size()
-    report = discover(model, track_moe_experts=track_moe_experts, warn=False)
-    plan = {
-        "parameters (this rank's shard)": sum(nbytes(p) for p in params),
-        "gathered layers (2 at a time)": 2 * layer,
-        "activations (estimate)": token_batch_size * layers * (12 * hidden + 3 * top_k * inter) * size,
-        "routed grid rows": 0,
-        "EK-FAC factors (float64)": 0,
-    }
-    for lay in report.experts if track_moe_experts else []:
-        width = sum(sum(lay.features(p)) if projection_dim is None else 2 * projection_dim for p in lay.projections)
-        plan["routed grid rows"] += token_batch_size * top_k * width * 4
-    if factors:
-        from moe_attrib.ekfac import memory_plan as factor_plan
-
-        plan["EK-FAC factors (float64)"] = factor_plan(report, projection_dim)["total"]
-    plan["world"] = world
-    return plan
-
-
-def format_memory_plan(plan: dict[str, int]) -> str:
-    lines = [f"memory plan per rank (FSDP2 over {plan['world']} ranks):"]
-    total = 0
-    for name, value in plan.items():
-        if name == "world":
-            continue
-        total += value
-        lines.append(f"  {name:<32s} {_size(value):>12s}")
-    lines.append(f"  {'total':<32s} {_size(total):>12s}")
-    return "\n".join(lines)
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
