@@ -311,9 +311,7 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
                 v[f"exact, {fisher} Fisher, damping {d:g} x mean over {scope}"] = att.scores(None, ekfac=ek, unit=unit0)
     v["exact, EK-FAC, per-module unit norm"] = att.scores(None, ekfac=ek_exact, per_module_unit=True)
     v["exact, no preconditioning, per-module unit norm"] = att.scores(None, per_module_unit=True)
-    if any(name.endswith(".bias") for name, _ in att.model.named_parameters()) or any(
-        name.endswith("_bias") for name, _ in att.model.named_parameters()
-    ):  # bias folding, decided by measurement (docs/quality.md)
+    if any(name.endswith((".bias", "_bias")) for name, _ in att.model.named_parameters()):  # bias folding
         v[f"default pipeline, biases not folded (p={p0})"] = att.scores(p0, ekfac=att.ekfac(p0, fold=False), unit=unit0)
         v["exact rows, biases not folded"] = att.scores(None, ekfac=att.ekfac(None, fold=False), unit=unit0)
     v["TrackStar: Adam-normalised, unit"] = att.scores(None, opt=True, unit=True)

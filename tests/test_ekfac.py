@@ -89,16 +89,7 @@ def test_corrected_eigenvalues_equal_mean_squared_rotated_gradients():
     ]:
         f = ek.factors[name]
         qr, qc = f.rows_cols
-        if f.experts:
-            w = torch.stack(
-                [
-                    grads[f"{name.rsplit('.', 1)[0]}.expert_{i}.{name.rsplit('.', 1)[1]}.weight"]
-                    for i in range(f.experts)
-                ],
-                dim=1,
-            )
-        else:
-            w = grads[f"{name}.weight"]
+        w = _stacked(grads, name, f.experts, "weight")
         expected = ((qr.transpose(-1, -2) @ w.double() @ qc) ** 2).mean(dim=0)
         assert rel_err(f.lam, expected) < 1e-5, (name, rel_err(f.lam, expected))
 

@@ -10,9 +10,8 @@ import torch
 
 import moe_attrib as ma
 from moe_attrib import projection as pj
-from moe_attrib.data import Example
 from moe_attrib.score import ScoreError, precondition_queries
-from moe_attrib.zoo import tiny_model
+from tests.test_pipeline import examples, model  # noqa: F401  (fixture)
 
 M32 = 0xFFFFFFFF
 
@@ -114,19 +113,8 @@ def test_legacy_kind_is_the_old_cpu_gaussian():
         pj.projection_kind({"projection": "gaussian-v9"})
 
 
-def examples(n=6):
-    gen = torch.Generator().manual_seed(3)
-    return [Example(i, torch.randint(3, 120, (int(torch.randint(5, 12, (1,), generator=gen)),), generator=gen).tolist())
-            for i in range(n)]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3_moe")
-
-
-def test_legacy_index_keeps_scoring_with_its_own_projection(model, tmp_path):
-    ex = examples()
+def test_legacy_index_keeps_scoring_with_its_own_projection(model, tmp_path):  # noqa: F811
+    ex = examples(6)
     legacy = ma.build_index(model, ex, tmp_path / "old", projection_dim=8, seed=1, token_batch_size=64,
                             projection=pj.LEGACY_PROJECTION, progress=False)  # fmt: skip
     manifest = json.loads((legacy / "manifest.json").read_text())
