@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -145,7 +146,9 @@ def examples_for(model, count: int, seq_len: int = 512) -> list[Example]:
     return [Example(i, ids[i].tolist()) for i in range(count)]
 
 
-def build_once(model, exs, path: Path, p: int | None, blocks: str, token_batch_size: int) -> float:
+def build_once(
+    model, exs, path: Path, p: int | None, blocks: str, token_batch_size: int, recompute: bool = False
+) -> float:
     shutil.rmtree(path, ignore_errors=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -158,12 +161,13 @@ def build_once(model, exs, path: Path, p: int | None, blocks: str, token_batch_s
         token_batch_size=token_batch_size,
         expert_blocks=blocks,
         progress=False,
+        recompute=recompute,
     )
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool) -> dict:
+def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool, recompute: bool = False) -> dict:
     """`build_index` vs plain steps over the same 8192-token batches, interleaved; projection drawing
     shows in the first round only if it is one-time per process."""
     model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
@@ -182,11 +186,13 @@ def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool) -
         return time.perf_counter() - start
 
     plain_pass()  # warm-up
-    build_s, plain_s = [], []
+    build_s, plain_s, recompute_s = [], [], []
     torch.cuda.reset_peak_memory_stats()
     for _ in range(rounds):
         build_s.append(build_once(model, exs, path, p, "sum", 8192))
         plain_s.append(plain_pass())
+        if recompute:
+            recompute_s.append(build_once(model, exs, path, p, "sum", 8192, recompute=True))
     index = ma.load_index(path)
     row = {
         "row": f"build_index, qwen3 shape, {layers} layers, {examples}x512, sum blocks, p={p}",
@@ -201,6 +207,9 @@ def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool) -
     }
     row["ratio_of_plain_tok_s"] = row["build_tok_s"] / row["plain_tok_s"]
     row["ratio_first_round"] = row["build_tok_s_first_round"] / row["plain_tok_s"]
+    if recompute:
+        row["recompute_s"] = recompute_s
+        row["recompute_ratio_of_plain_tok_s"] = statistics.median(plain_s) / statistics.median(recompute_s)
     print(json.dumps(row), flush=True)
     if profile:
         profile_build(model, exs[:32], path, p)
@@ -226,15 +235,14 @@ def profile_build(model, exs, path: Path, p: int) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=48))
 
 
-def memory_part(layers: int, examples: int, p: int) -> dict:
+def memory_part(layers: int, examples: int, p: int, token_batches: list[int]) -> list[dict]:
+    """Peak GPU memory of 48-layer builds, with and without `recompute` (decoder layers run again in
+    the backward instead of keeping their activations), at each token batch size, vs the weights."""
     model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
     weights = sum(q.numel() * q.element_size() for q in model.parameters())
     exs = examples_for(model, examples)
     path = Path("/tmp/e2e-index48")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    seconds = build_once(model, exs, path, p, "sum", 8192)
-    peak = torch.cuda.max_memory_allocated()
+    rows = []
     plain_peak = None
     try:
         ids = torch.tensor([ex.input_ids for ex in exs[:16]]).cuda()
@@ -246,19 +254,31 @@ def memory_part(layers: int, examples: int, p: int) -> dict:
         plain_peak = f"out of memory: {str(err)[:120]}"
     for q in model.parameters():
         q.grad = None
-    row = {
-        "row": f"build_index peak memory, qwen3 shape, {layers} layers, 8192-token batches, sum blocks, p={p}",
-        "weights_gib": weights / GiB,
-        "build_peak_gib": peak / GiB,
-        "peak_over_weights": peak / weights,
-        "build_tok_s": examples * 512 / seconds,
-        "plain_step_peak_gib": plain_peak,
-    }
-    print(json.dumps(row), flush=True)
-    shutil.rmtree(path, ignore_errors=True)
+    torch.cuda.empty_cache()
+    for tokens in token_batches:
+        for recompute in (False, True):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            seconds = build_once(model, exs, path, p, "sum", tokens, recompute)
+            peak = torch.cuda.max_memory_allocated()
+            index = ma.load_index(path)
+            digest = float(np.abs(np.asarray(index.gradients[:8], dtype=np.float64)).sum())
+            row = {
+                "row": f"build_index peak memory, qwen3 shape, {layers} layers, {tokens}-token batches, sum blocks, "
+                f"p={p}, recompute={recompute}",
+                "weights_gib": weights / GiB,
+                "build_peak_gib": peak / GiB,
+                "peak_over_weights": peak / weights,
+                "build_tok_s": examples * 512 / seconds,
+                "plain_step_peak_gib_16x512": plain_peak,
+                "rows_abs_sum_first8": digest,
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            shutil.rmtree(path, ignore_errors=True)
     del model
     torch.cuda.empty_cache()
-    return row
+    return rows
 
 
 def phases_part(layers: int, p: int, steps: int, profile: bool = False) -> dict:
@@ -335,6 +355,8 @@ def main() -> None:
     parser.add_argument("--build_layers", type=int, default=24)
     parser.add_argument("--build_examples", type=int, default=128)
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of a build")
+    parser.add_argument("--memory_tokens", type=int, nargs="+", default=[8192], help="memory48: token batch sizes")
+    parser.add_argument("--build_recompute", action="store_true", help="build: also time builds with recompute")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("e2e.py needs a CUDA GPU")
@@ -361,11 +383,11 @@ def main() -> None:
         save()
     if "build" in args.parts:
         results["build"] = build_part(
-            args.build_layers, args.build_examples, args.projection_dim, args.rounds, args.profile
+            args.build_layers, args.build_examples, args.projection_dim, args.rounds, args.profile, args.build_recompute
         )
         save()
     if "memory48" in args.parts:
-        results["memory48"] = memory_part(48, 64, args.projection_dim)
+        results["memory48"] = memory_part(48, 64, args.projection_dim, args.memory_tokens)
         save()
 
 
