@@ -243,18 +243,6 @@ def memory_part(layers: int, examples: int, p: int, token_batches: list[int]) ->
     exs = examples_for(model, examples)
     path = Path("/tmp/e2e-index48")
     rows = []
-    plain_peak = None
-    try:
-        ids = torch.tensor([ex.input_ids for ex in exs[:16]]).cuda()
-        torch.cuda.reset_peak_memory_stats()
-        plain_step(model, ids, torch.ones_like(ids), ids)
-        torch.cuda.synchronize()
-        plain_peak = torch.cuda.max_memory_allocated() / GiB
-    except torch.OutOfMemoryError as err:
-        plain_peak = f"out of memory: {str(err)[:120]}"
-    for q in model.parameters():
-        q.grad = None
-    torch.cuda.empty_cache()
     for tokens in token_batches:
         for recompute in (False, True):
             torch.cuda.synchronize()
@@ -270,12 +258,23 @@ def memory_part(layers: int, examples: int, p: int, token_batches: list[int]) ->
                 "build_peak_gib": peak / GiB,
                 "peak_over_weights": peak / weights,
                 "build_tok_s": examples * 512 / seconds,
-                "plain_step_peak_gib_16x512": plain_peak,
                 "rows_abs_sum_first8": digest,
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
             shutil.rmtree(path, ignore_errors=True)
+    plain_peak = None
+    try:  # last: an out-of-memory error's traceback keeps the step's tensors alive for a while
+        ids = torch.tensor([ex.input_ids for ex in exs[:16]]).cuda()
+        torch.cuda.reset_peak_memory_stats()
+        plain_step(model, ids, torch.ones_like(ids), ids)
+        torch.cuda.synchronize()
+        plain_peak = torch.cuda.max_memory_allocated() / GiB
+    except torch.OutOfMemoryError as err:
+        plain_peak = f"out of memory: {str(err)[:120]}"
+    for row in rows:
+        row["plain_step_peak_gib_16x512"] = plain_peak
+    print(json.dumps({"plain_step_peak_gib_16x512": plain_peak}), flush=True)
     del model
     torch.cuda.empty_cache()
     return rows
