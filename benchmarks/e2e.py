@@ -75,7 +75,7 @@ def expert_share(counts: torch.Tensor, top: int = 8) -> float:
     return float(share.mean())
 
 
-def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds: int) -> dict:
+def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds: int, profile: bool = False) -> dict:
     ids = ids.cuda()
     mask = torch.ones_like(ids)
     labels = ids.clone()
@@ -94,6 +94,12 @@ def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds:
             _, t, m = timed(lambda c=c: c.collect(ids, mask, labels, fused_experts=True), 2, steps)
         times["collect"] += t
         peaks["collect"] = max(peaks["collect"], m)
+    if profile:
+        from collect_speed import profile_steps
+
+        with GradientCollector(model, report, projection_dim=p) as c:
+            profile_steps(f"collection step {name}", lambda: c.collect(ids, mask, labels, fused_experts=True))
+        profile_steps(f"plain step {name}", lambda: plain_step(model, ids, mask, labels))
     plain, collect = statistics.median(times["plain"]), statistics.median(times["collect"])
     row = {
         "row": name,
@@ -121,7 +127,7 @@ def iqr(values: list[float]) -> list[float]:
     return [q[0] * 1e3, q[2] * 1e3]
 
 
-def collect_part(p: int, steps: int, rounds: int) -> list[dict]:
+def collect_part(p: int, steps: int, rounds: int, profile: bool = False) -> list[dict]:
     rows = []
     model = make_model("qwen3-30b-a3b-shaped")
     for name, n, s, repeat in (
@@ -131,7 +137,8 @@ def collect_part(p: int, steps: int, rounds: int) -> list[dict]:
         ("qwen3 2x4096", 2, 4096, 0.0),
         ("qwen3 4x4096", 4, 4096, 0.0),
     ):
-        rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds))
+        small = profile and n * s <= 1024
+        rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds, small))
     del model
     torch.cuda.empty_cache()
     model = make_model("olmoe-1b-7b-shaped")
@@ -375,7 +382,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
     if "collect" in args.parts:
-        results["collect"] = collect_part(args.projection_dim, args.steps, args.rounds)
+        results["collect"] = collect_part(args.projection_dim, args.steps, args.rounds, args.profile)
         save()
     if "phases" in args.parts:
         results["phases"] = phases_part(args.build_layers, args.projection_dim, args.steps, args.profile)
