@@ -29,6 +29,42 @@ def route_rows(top_k_index: torch.Tensor, num_tokens: int, num_experts: int) -> 
     return RoutedRows(expert, key % num_tokens, offsets, num_tokens, num_experts, perm, k), perm
 
 
+class RoutedGather(torch.autograd.Function):
+    """`x[token]`: each token's row once per routed slot (rows sorted by expert).
+
+    The backward sums each token's k slot gradients through the inverse permutation (a gather and a
+    sum): advanced indexing's backward is a sorting `index_put`, an atomic `index_add_` is slow in
+    bf16 and not deterministic, and a recomputed forward (`moe_attrib.recompute`) must be bitwise the first.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.shape = (x.shape[0], k)
+        return x.index_select(0, token)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        tokens, k = ctx.shape
+        return grad.index_select(0, inverse).view(tokens, k, -1).sum(dim=1), None, None, None
+
+
+class RoutedCombine(torch.autograd.Function):
+    """Sum of each token's k routed rows (the adjoint of `RoutedGather`): a gather and a sum forward,
+    a gather backward; no atomics, so the forward is deterministic."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(token)
+        return rows.index_select(0, inverse).view(-1, k, rows.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (token,) = ctx.saved_tensors
+        return grad.index_select(0, token), None, None, None
+
+
 def _linear_rows(
     kernels: Kernels, layout: ExpertsLayout, proj: str, x: torch.Tensor, rows: RoutedRows, used: int
 ) -> torch.Tensor:
@@ -72,9 +108,9 @@ def grouped_experts_forward(
     if zero_experts:
         index = index.clamp(max=layout.num_experts)
     rows, perm = route_rows(index, num_tokens, total)
-    # index_select / index_add_, not x[idx] / out[idx]: their backwards are a plain scatter-add and a
-    # gather, where advanced indexing's backward is a sorting index_put (a tenth of a CUDA step)
-    xs = x.index_select(0, rows.token)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    xs = RoutedGather.apply(x, rows.token, inverse, k)
     used = layout.num_experts
     up_name, down_name = layout.projections
     identity = (rows.expert >= used).unsqueeze(-1) if zero_experts else None
@@ -93,7 +129,7 @@ def grouped_experts_forward(
     if identity is not None:
         out = torch.where(identity, xs.to(out.dtype), out.masked_fill(identity, 0.0))
     out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-    final = out.new_zeros(num_tokens, out.shape[-1]).index_add_(0, rows.token, out)
+    final = RoutedCombine.apply(out, rows.token, inverse, k)
     return final.to(hidden_states.dtype).reshape(*shape[:-1], final.shape[-1])
 
 
