@@ -4,9 +4,10 @@ Each decoder layer (and the root: embeddings, final norm, head) is one `fully_sh
 rank holds 1/K of every parameter outside the layer running now; a layer's parameters are gathered
 for its forward and again for its backward (collection needs activation gradients only, and the
 backward through the experts' matmuls needs the weights), except the last layer's, which stay
-gathered from its forward to its backward, and each layer's forward prefetches the next layer. The model is built on the meta device
-and each rank reads only its own rows of every tensor from the checkpoint's safetensors (memory
-mapped, so ranks of one host share the page cache): host memory per rank is its shard, whatever K.
+gathered from its forward to its backward, and each layer's forward prefetches the next layer.
+The model is built on the meta device and each rank reads only its own rows of every tensor from
+the checkpoint's safetensors (memory mapped, so ranks of one host share the page cache): host
+memory per rank is its shard, whatever K.
 Checkpoints stored per expert (`experts.<e>.gate_proj.weight`, which transformers fuses on load)
 are fused here too, from the rank's own experts only, with transformers' own conversion rules.
 """
@@ -53,7 +54,7 @@ def shard_model(model: nn.Module, dist: Dist, keep_gathered: int = 1, prefetch: 
         fully_shard(layer, mesh=mesh, reshard_after_forward=i < len(layers) - keep_gathered)
     fully_shard(model, mesh=mesh)
     if prefetch:
-        for layer, following in zip(layers, layers[1:]):
+        for layer, following in zip(layers[:-1], layers[1:], strict=True):
             layer.set_modules_to_forward_prefetch([following])
     return model
 
