@@ -3,9 +3,11 @@
 Each decoder layer (and the root: embeddings, final norm, head) is one `fully_shard` unit, so a
 rank holds 1/K of every parameter outside the layer running now; a layer's parameters are gathered
 for its forward and again for its backward (collection needs activation gradients only, and the
-backward through the experts' matmuls needs the weights). The model is built on the meta device
-and each rank reads only its own rows of every tensor from the checkpoint's safetensors (memory
-mapped, so ranks of one host share the page cache): host memory per rank is its shard, whatever K.
+backward through the experts' matmuls needs the weights), except the last layer's, which stay
+gathered from its forward to its backward, and each layer's forward prefetches the next layer.
+The model is built on the meta device and each rank reads only its own rows of every tensor from
+the checkpoint's safetensors (memory mapped, so ranks of one host share the page cache): host
+memory per rank is its shard, whatever K.
 Checkpoints stored per expert (`experts.<e>.gate_proj.weight`, which transformers fuses on load)
 are fused here too, from the rank's own experts only, with transformers' own conversion rules.
 """
@@ -35,15 +37,26 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         raise ShardingError(f"{err} --fsdp shards one decoder layer per unit.") from err
 
 
-def shard_model(model: nn.Module, dist: Dist) -> nn.Module:
-    """`fully_shard` every decoder layer, then the root, over all ranks (in place; returns `model`)."""
+def shard_model(model: nn.Module, dist: Dist, keep_gathered: int = 1, prefetch: bool = True) -> nn.Module:
+    """`fully_shard` every decoder layer, then the root, over all ranks (in place; returns `model`).
+
+    A layer is gathered for its forward and, after resharding, again for its backward; the last
+    `keep_gathered` layers instead keep their gathered parameters from their forward to their backward
+    (one all-gather fewer per step and layer, at the memory of that many gathered layers between the
+    two: the last layer's backward comes right after the head's, so keeping it costs little).
+    `prefetch`: each layer's forward starts the next layer's all-gather, so that communication overlaps
+    the layer's compute (two layers gathered at a time, as the backward does by default)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(dist.device.type, (dist.world,))
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=i < len(layers) - keep_gathered)
     fully_shard(model, mesh=mesh)
+    if prefetch:
+        for layer, following in zip(layers[:-1], layers[1:], strict=True):
+            layer.set_modules_to_forward_prefetch([following])
     return model
 
 
@@ -197,14 +210,16 @@ def _fused_rows(key: str, plan: _Plan, start: int, stop: int, reader: _Reader, s
     return out
 
 
-def load_sharded(spec: str, dtype: torch.dtype, dist: Dist) -> nn.Module:
+def load_sharded(spec: str, dtype: torch.dtype, dist: Dist, keep_gathered: int = 1, prefetch: bool = True) -> nn.Module:
     """The model of `spec` sharded over the ranks: built on meta, each rank filling its own rows.
 
-    `tiny:<family>` models are built whole on each rank (they are tiny) and then sharded."""
+    `tiny:<family>` models are built whole on each rank (they are tiny) and then sharded.
+    `keep_gathered` and `prefetch`: see `shard_model`."""
     if spec.startswith("tiny:"):
         from moe_attrib.zoo import tiny_model
 
-        return shard_model(tiny_model(spec.split(":", 1)[1], dtype=dtype).to(dist.device), dist)
+        model = tiny_model(spec.split(":", 1)[1], dtype=dtype).to(dist.device)
+        return shard_model(model, dist, keep_gathered, prefetch)
     directory = Path(spec)
     if not directory.is_dir():
         raise ShardingError(
@@ -220,7 +235,7 @@ def load_sharded(spec: str, dtype: torch.dtype, dist: Dist) -> nn.Module:
     buffers = {n: b.clone() for n, b in model.named_buffers()}  # computed in __init__ (rotary tables)
     reader = _Reader(directory)
     plan = _Plan(model, reader)  # before sharding: transformers looks its rules up by the model's class
-    shard_model(model, dist)
+    shard_model(model, dist, keep_gathered, prefetch)
     model.to_empty(device=dist.device)
     with torch.no_grad():
         for name, b in model.named_buffers():

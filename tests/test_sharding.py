@@ -106,6 +106,39 @@ def test_lazy_shard_loading_matches_transformers(tmp_path):
         torch.distributed.destroy_process_group()
 
 
+def test_collection_step_keeps_last_layer_gathered_and_forms_no_weight_gradients(tmp_path):
+    """One rank: the per-example gradients of the plain model; between forward and backward only the last
+    layer stays gathered (the others were resharded and are gathered again for their backward); after the
+    step every layer is resharded and no parameter holds a gradient (collection needs activation gradients
+    only: nothing for FSDP2 to reduce-scatter)."""
+    from moe_attrib.collector import per_example_gradients
+    from moe_attrib.distributed import Dist
+    from moe_attrib.loading import load_model
+    from moe_attrib.sharding import decoder_layers, is_dtensor, load_sharded
+
+    save_tiny(str(tmp_path), "qwen3_moe", texts(), num_hidden_layers=3)
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9], [4, 3, 9, 8, 2, 6]])
+    plain = load_model(str(tmp_path), "fp32")
+    want = per_example_gradients(plain, ids, projection_dim=8)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free()}", rank=0, world_size=1)
+    try:
+        sharded = load_sharded(str(tmp_path), torch.float32, Dist(0, 1, torch.device("cpu"), fsdp=True))
+        layers = decoder_layers(sharded)
+        seen = []  # after the last layer's forward: which layers hold sharded (DTensor) parameters
+        sharded.model.norm.register_forward_hook(
+            lambda m, a, out: seen.append([all(is_dtensor(p) for p in lay.parameters()) for lay in layers])
+        )
+        got = per_example_gradients(sharded, ids, projection_dim=8)
+        assert seen == [[True, True, False]]
+        assert all(is_dtensor(p) for p in sharded.parameters())
+        assert all(p.grad is None for p in sharded.parameters())
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6 * float(value.abs().max()))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def free() -> int:
     from tests.conftest import free_port
 
