@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -25,13 +24,8 @@ from tqdm.auto import tqdm
 from moe_attrib.index import Index, IndexFileError
 
 DEFAULT_BLOCK_BYTES = 256 << 20  # stored bytes per block (H200: 32.1 GB/s vs 27.6 at 64 MiB, docs/scoring.md)
-# np.copyto from the memmap / os.preadv from the file / the GPU's copy engine from the page cache itself
-# (registered with CUDA block by block); "auto": "register" where it can, else "copy" (docs/scoring.md)
-READERS = ("auto", "copy", "pread", "register")
-DEFAULT_READER = "auto"
-_PAGE = 4096
-_REGISTER_AHEAD = 4  # blocks registered ahead of the copy engine
-_REGISTER_THREADS = 4
+READERS = ("copy", "pread")  # np.copyto from the memmap / os.preadv from the file (docs/scoring.md)
+DEFAULT_READER = "copy"
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _BUFFERS = 2
 
@@ -50,7 +44,8 @@ class _Source:
     """Reads stored rows `[start, start + n)` into a host buffer as `parts` independent tasks."""
 
     def __init__(self, gradients: np.ndarray, reader: str, path: object):
-        check_reader(reader)
+        if reader not in READERS:
+            raise ValueError(f"reader must be one of {', '.join(READERS)}, not {reader!r}")
         self.path = path
         self.array = gradients if gradients.flags.c_contiguous else np.ascontiguousarray(gradients)
         self.flat = self.array.reshape(-1)
@@ -86,86 +81,6 @@ class _Source:
             if got <= 0:
                 raise IndexFileError(f"{self.path}: gradients.npy ends at byte {offset}, before its last row.")
             view, offset = view[got:], offset + got
-
-
-def check_reader(reader: str) -> None:
-    if reader not in READERS:
-        raise ValueError(f"reader must be one of {', '.join(READERS)}, not {reader!r}")
-
-
-class _Registrations:
-    """Block i's rows in the page cache, registered with CUDA (page-locked, read-only) so that the copy
-    engine reads them where they are: no CPU copy, half the host memory traffic of a pinned bounce.
-
-    Registration i covers the pages from block i's first byte up to the page block i + 1 starts in
-    (the last one to the end of its page), so registrations never overlap and block i's last partial
-    page is copied out of registration i + 1. Registrations run `_REGISTER_AHEAD` blocks ahead on
-    `_REGISTER_THREADS` threads; each is released once the copies that read it have finished.
-    """
-
-    def __init__(self, array: np.ndarray, bounds: list[int]):
-        self.cudart = torch.cuda.cudart()
-        self.data = array.view(np.uint8).reshape(-1)  # the stored bytes, read-only
-        self.base = self.data.ctypes.data
-        ends = [(self.base + b) // _PAGE * _PAGE for b in bounds[1:-1]]
-        last = -(-(self.base + bounds[-1]) // _PAGE) * _PAGE
-        self.ranges = list(zip([(self.base + bounds[0]) // _PAGE * _PAGE, *ends], [*ends, last], strict=True))
-        self.pool = ThreadPoolExecutor(_REGISTER_THREADS, thread_name_prefix="moe-attrib-register")
-        self.futures: dict[int, Future] = {}
-        self.live: set[int] = set()
-
-    def _register(self, i: int) -> None:
-        start, stop = self.ranges[i]
-        err = self.cudart.cudaHostRegister(start, stop - start, 8)  # cudaHostRegisterReadOnly
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {stop - start} bytes failed with error {int(err)}")
-        self.live.add(i)
-
-    def ahead(self, i: int) -> None:
-        """Start registering blocks `i .. i + _REGISTER_AHEAD` (those not started yet)."""
-        for k in range(i, min(i + _REGISTER_AHEAD + 1, len(self.ranges))):
-            if k not in self.futures:
-                self.futures[k] = self.pool.submit(self._register, k)
-
-    def host_bytes(self, i: int, first: int, stop: int) -> list[tuple[int, torch.Tensor]]:
-        """`(offset in the block, bytes)` pieces of stored bytes `[first, stop)` of block i, each inside
-        a finished registration (block i's, then block i + 1's for its last partial page)."""
-        pieces = []
-        for k in (i, i + 1):
-            if k >= len(self.ranges):
-                break
-            lo = max(first, self.ranges[k][0] - self.base)
-            hi = min(stop, self.ranges[k][1] - self.base)
-            if hi > lo:
-                self.futures[k].result()
-                with warnings.catch_warnings():  # read-only bytes: torch only reads them
-                    warnings.simplefilter("ignore", UserWarning)
-                    pieces.append((lo - first, torch.from_numpy(self.data[lo:hi])))
-        return pieces
-
-    def release_after(self, i: int, done: torch.cuda.Event) -> None:
-        """Unregister block i once `done` (recorded after block i's copies, and so after block i - 1's
-        copy of its last page out of registration i) has completed."""
-        start, registered = self.ranges[i][0], self.futures[i]
-
-        def release() -> None:
-            registered.result()
-            done.synchronize()
-            self.cudart.cudaHostUnregister(start)
-            self.live.discard(i)
-
-        self.futures[i] = self.pool.submit(release)
-
-    def close(self) -> None:
-        for f in list(self.futures.values()):
-            try:
-                f.result()
-            except RuntimeError:
-                pass
-        self.pool.shutdown(wait=True)
-        for i in sorted(self.live):
-            self.cudart.cudaHostUnregister(self.ranges[i][0])
-        self.live.clear()
 
 
 def _whole_file(array: np.ndarray) -> bool:
@@ -205,18 +120,12 @@ def stream_rows(
     A block's rows are valid until the next one is asked for: use them (enqueue the kernels on the
     current stream, on CUDA) before advancing. Reads run ahead by one block.
     """
-    check_reader(reader)
     total, dim = index.gradients.shape
     step = block_rows or rows_per_block(index, block_bytes)
     starts = list(range(0, total, step))
     if not starts:
         return
     cuda = device.type == "cuda"
-    registered = _registrations(index, starts, step, cuda, reader)
-    if registered is not None:
-        yield from _stream_registered(index, device, registered, starts, step, progress, desc)
-        return
-    reader = "copy" if reader in ("auto", "register") else reader
     dtype = TORCH_DTYPES[index.dtype]
     parts = threads or default_threads()
     host = [_host_buffer(min(step, total), dim, dtype, cuda) for _ in range(min(_BUFFERS, len(starts)))]
@@ -273,75 +182,6 @@ def stream_rows(
         source.close()
         if cuda:
             compute.wait_stream(copy_stream)
-
-
-def _registrations(index: Index, starts: list[int], step: int, cuda: bool, reader: str) -> _Registrations | None:
-    """Registrations for `reader="register"` (or "auto" where it can): CUDA, an index file mapped
-    whole, blocks of at least 1 MiB. The first block is registered here, so that a failure falls
-    back to the threaded copy with a warning before any row is read."""
-    row_bytes = index.gradients.shape[1] * index.gradients.itemsize
-    usable = cuda and _whole_file(index.gradients) and step * row_bytes >= 1 << 20
-    if reader == "register" and not usable:
-        raise ValueError(
-            f"{index.path}: reader='register' needs a CUDA device, an index opened from its file "
-            "(load_index) and blocks of at least 1 MiB; use reader='copy'."
-        )
-    if reader not in ("auto", "register") or not usable:
-        return None
-    bounds = [s * row_bytes for s in starts] + [index.gradients.shape[0] * row_bytes]
-    reg = _Registrations(index.gradients, bounds)
-    try:
-        reg.ahead(0)
-        reg.futures[0].result()
-    except RuntimeError as err:
-        reg.close()
-        warnings.warn(
-            f"moe-attrib: {index.path}: the page cache could not be registered with CUDA ({err}); "
-            "reading with threads into pinned buffers instead (slower).",
-            UserWarning,
-            stacklevel=4,
-        )
-        return None
-    return reg
-
-
-def _stream_registered(
-    index: Index, device: torch.device, reg: _Registrations, starts: list[int], step: int, progress: bool, desc: str
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """`stream_rows` with `reader="register"`: the copy engine reads each block from its registration."""
-    total, dim = index.gradients.shape
-    row_bytes = dim * index.gradients.itemsize
-    dtype = TORCH_DTYPES[index.dtype]
-    copy_stream = torch.cuda.Stream(device)
-    compute = torch.cuda.current_stream(device)
-    dev = [torch.empty((min(step, total), dim), dtype=dtype, device=device) for _ in range(min(_BUFFERS, len(starts)))]
-    used = [torch.cuda.Event() for _ in dev]
-    bar = tqdm(total=total, unit="row", unit_scale=True, desc=desc, disable=not progress)
-    began = time.perf_counter()
-    try:
-        for i, start in enumerate(starts):
-            j, n = i % len(dev), min(step, total - start)
-            reg.ahead(i + 1)
-            pieces = reg.host_bytes(i, start * row_bytes, (start + n) * row_bytes)
-            copied = torch.cuda.Event()
-            with torch.cuda.stream(copy_stream):
-                copy_stream.wait_event(used[j])
-                dst = dev[j].view(torch.uint8).view(-1)
-                for offset, src in pieces:
-                    dst[offset : offset + src.numel()].copy_(src, non_blocking=True)
-                copied.record(copy_stream)
-            reg.release_after(i, copied)
-            compute.wait_event(copied)
-            yield start, dev[j][:n].float()
-            used[j].record(compute)
-            bar.update(n)
-            if progress:
-                done = (start + n) * row_bytes
-                bar.set_postfix(GB_s=f"{done / 1e9 / max(time.perf_counter() - began, 1e-9):.1f}")
-    finally:
-        bar.close()
-        compute.wait_stream(copy_stream)
-        reg.close()
 
 
 class ToHost:

@@ -189,28 +189,3 @@ def test_cuda_recompute_same_rows_less_memory():
     print(f"recompute: peak above weights {mib[0]:.0f} -> {mib[1]:.0f} MiB, worst rel err {worst:.1e}")
     assert worst < 1e-2, worst  # the same kernels on the same inputs, up to bf16 atomics' order
     assert peaks[1] < 0.6 * peaks[0], peaks
-
-
-@pytest.mark.parametrize("index_dtype", ["float32", "bfloat16"])
-def test_cuda_register_reader_streams_every_row_and_releases_the_pages(tmp_path, index_dtype):
-    """The copy engine reading registered page cache: rows not page aligned, blocks not a whole number of
-    pages, the last block short; every row exact, and no registration left behind."""
-    import numpy as np
-
-    from moe_attrib.index import load_index
-    from moe_attrib.stream import stream_rows
-    from tests.test_score_stream import rounded, write_index
-
-    rows = np.random.default_rng(3).standard_normal((700, 4099)).astype(np.float32)
-    index = load_index(write_index(tmp_path / "idx", rows, index_dtype=index_dtype))
-    expected = rounded(rows, index_dtype)
-    for block_bytes in (1 << 20, (3 << 20) + 12345):
-        blocks = stream_rows(index, torch.device("cuda"), block_bytes=block_bytes, reader="register")
-        got = torch.cat([r.cpu() for _, r in blocks]).numpy()
-        assert np.array_equal(got, expected), block_bytes
-    data = index.gradients.view(np.uint8).reshape(-1)
-    start = data.ctypes.data // 4096 * 4096
-    cudart = torch.cuda.cudart()
-    # nothing is still registered: the whole file registers again
-    assert int(cudart.cudaHostRegister(start, data.ctypes.data + data.nbytes - start, 8)) == 0
-    cudart.cudaHostUnregister(start)

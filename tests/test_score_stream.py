@@ -228,13 +228,3 @@ def test_token_shares_of_a_bf16_token_index_read_the_widened_rows(tmp_path, rows
     stored = rounded(rows53, "bfloat16").astype(np.float64)
     for p in (0, 2):
         assert np.allclose(shares[p], q @ stored[offsets[p] : offsets[p + 1]].T, rtol=1e-5, atol=1e-5)
-
-
-def test_register_reader_needs_cuda_and_bad_readers_are_refused(tmp_path, rows53):
-    index = load_index(write_index(tmp_path / "idx", rows53))
-    with pytest.raises(ValueError, match="reader='register' needs a CUDA device"):
-        list(stream_rows(index, torch.device("cpu"), reader="register"))
-    with pytest.raises(ValueError, match="reader must be one of"):
-        list(stream_rows(index, torch.device("cpu"), reader="mmap"))
-    got = torch.cat([r.clone() for _, r in stream_rows(index, torch.device("cpu"), block_rows=7)])  # "auto": copy
-    assert np.array_equal(got.numpy(), rows53)
