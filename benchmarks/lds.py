@@ -72,6 +72,9 @@ CONFIGS = {
     "cpu-shared": Config(
         shared_vocab=True
     ),  # the output layer cannot tell the domains apart  # biases on attention, experts and router: bias folding
+    # deeper, more experts, one output vocabulary for every domain: where the prompts and the routing,
+    # not the output layer, tell the domains apart
+    "cpu-deep": Config(layers=4, experts=16, shared_vocab=True),
     "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
     "gpu": Config(
         hidden=256,
