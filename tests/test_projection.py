@@ -131,7 +131,7 @@ def test_legacy_index_keeps_scoring_with_its_own_projection(model, tmp_path):  #
                           rtol=1e-4, atol=1e-6)  # fmt: skip
     ek_new = ma.fit_ekfac(model, ex, projection_dim=8, seed=1, progress=False)
     assert ek_new.settings["projection"] == pj.PROJECTION
-    with pytest.raises(ScoreError, match="fitted with projection 'rademacher-hash-v1' but the index uses 'gaussian"):
+    with pytest.raises(ScoreError, match=f"fitted with projection '{pj.PROJECTION}' but the index uses 'gaussian"):
         precondition_queries(q, old.blocks, ek_new, old.manifest["settings"])
     ek_old = ma.fit_ekfac(model, ex, projection_dim=8, seed=1, projection=pj.LEGACY_PROJECTION, progress=False)
     ek_old.save(tmp_path / "ek")
