@@ -62,7 +62,7 @@ def test_exact_matches_per_sample_autograd(family, padded_batch):
 
 
 def side_matrix(name: str, p: int, features: int, seed: int, batch: int | None = None) -> torch.Tensor:
-    """The default kind's rule, stated independently: a side no wider than p is kept (identity), a wider one projected."""
+    """The default kind's rule, stated here: a side no wider than p is kept (identity), a wider one projected."""
     if features <= p:
         eye = torch.eye(features)
         return eye if batch is None else eye.expand(batch, features, features)
