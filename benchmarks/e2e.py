@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,7 +75,7 @@ def expert_share(counts: torch.Tensor, top: int = 8) -> float:
     return float(share.mean())
 
 
-def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds: int) -> dict:
+def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds: int, profile: bool = False) -> dict:
     ids = ids.cuda()
     mask = torch.ones_like(ids)
     labels = ids.clone()
@@ -93,6 +94,12 @@ def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds:
             _, t, m = timed(lambda c=c: c.collect(ids, mask, labels, fused_experts=True), 2, steps)
         times["collect"] += t
         peaks["collect"] = max(peaks["collect"], m)
+    if profile:
+        from collect_speed import profile_steps
+
+        with GradientCollector(model, report, projection_dim=p) as c:
+            profile_steps(f"collection step {name}", lambda: c.collect(ids, mask, labels, fused_experts=True))
+        profile_steps(f"plain step {name}", lambda: plain_step(model, ids, mask, labels))
     plain, collect = statistics.median(times["plain"]), statistics.median(times["collect"])
     row = {
         "row": name,
@@ -120,7 +127,7 @@ def iqr(values: list[float]) -> list[float]:
     return [q[0] * 1e3, q[2] * 1e3]
 
 
-def collect_part(p: int, steps: int, rounds: int) -> list[dict]:
+def collect_part(p: int, steps: int, rounds: int, profile: bool = False) -> list[dict]:
     rows = []
     model = make_model("qwen3-30b-a3b-shaped")
     for name, n, s, repeat in (
@@ -130,7 +137,8 @@ def collect_part(p: int, steps: int, rounds: int) -> list[dict]:
         ("qwen3 2x4096", 2, 4096, 0.0),
         ("qwen3 4x4096", 4, 4096, 0.0),
     ):
-        rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds))
+        small = profile and n * s <= 1024
+        rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds, small))
     del model
     torch.cuda.empty_cache()
     model = make_model("olmoe-1b-7b-shaped")
@@ -145,7 +153,9 @@ def examples_for(model, count: int, seq_len: int = 512) -> list[Example]:
     return [Example(i, ids[i].tolist()) for i in range(count)]
 
 
-def build_once(model, exs, path: Path, p: int | None, blocks: str, token_batch_size: int) -> float:
+def build_once(
+    model, exs, path: Path, p: int | None, blocks: str, token_batch_size: int, recompute: bool = False
+) -> float:
     shutil.rmtree(path, ignore_errors=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -158,12 +168,13 @@ def build_once(model, exs, path: Path, p: int | None, blocks: str, token_batch_s
         token_batch_size=token_batch_size,
         expert_blocks=blocks,
         progress=False,
+        recompute=recompute,
     )
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool) -> dict:
+def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool, recompute: bool = False) -> dict:
     """`build_index` vs plain steps over the same 8192-token batches, interleaved; projection drawing
     shows in the first round only if it is one-time per process."""
     model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
@@ -182,11 +193,13 @@ def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool) -
         return time.perf_counter() - start
 
     plain_pass()  # warm-up
-    build_s, plain_s = [], []
+    build_s, plain_s, recompute_s = [], [], []
     torch.cuda.reset_peak_memory_stats()
     for _ in range(rounds):
         build_s.append(build_once(model, exs, path, p, "sum", 8192))
         plain_s.append(plain_pass())
+        if recompute:
+            recompute_s.append(build_once(model, exs, path, p, "sum", 8192, recompute=True))
     index = ma.load_index(path)
     row = {
         "row": f"build_index, qwen3 shape, {layers} layers, {examples}x512, sum blocks, p={p}",
@@ -201,6 +214,9 @@ def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool) -
     }
     row["ratio_of_plain_tok_s"] = row["build_tok_s"] / row["plain_tok_s"]
     row["ratio_first_round"] = row["build_tok_s_first_round"] / row["plain_tok_s"]
+    if recompute:
+        row["recompute_s"] = recompute_s
+        row["recompute_ratio_of_plain_tok_s"] = statistics.median(plain_s) / statistics.median(recompute_s)
     print(json.dumps(row), flush=True)
     if profile:
         profile_build(model, exs[:32], path, p)
@@ -226,17 +242,36 @@ def profile_build(model, exs, path: Path, p: int) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=48))
 
 
-def memory_part(layers: int, examples: int, p: int) -> dict:
+def memory_part(layers: int, examples: int, p: int, token_batches: list[int]) -> list[dict]:
+    """Peak GPU memory of 48-layer builds, with and without `recompute` (decoder layers run again in
+    the backward instead of keeping their activations), at each token batch size, vs the weights."""
     model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
     weights = sum(q.numel() * q.element_size() for q in model.parameters())
     exs = examples_for(model, examples)
     path = Path("/tmp/e2e-index48")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    seconds = build_once(model, exs, path, p, "sum", 8192)
-    peak = torch.cuda.max_memory_allocated()
+    rows = []
+    for tokens in token_batches:
+        for recompute in (False, True):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            seconds = build_once(model, exs, path, p, "sum", tokens, recompute)
+            peak = torch.cuda.max_memory_allocated()
+            index = ma.load_index(path)
+            digest = float(np.abs(np.asarray(index.gradients[:8], dtype=np.float64)).sum())
+            row = {
+                "row": f"build_index peak memory, qwen3 shape, {layers} layers, {tokens}-token batches, sum blocks, "
+                f"p={p}, recompute={recompute}",
+                "weights_gib": weights / GiB,
+                "build_peak_gib": peak / GiB,
+                "peak_over_weights": peak / weights,
+                "build_tok_s": examples * 512 / seconds,
+                "rows_abs_sum_first8": digest,
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            shutil.rmtree(path, ignore_errors=True)
     plain_peak = None
-    try:
+    try:  # last: an out-of-memory error's traceback keeps the step's tensors alive for a while
         ids = torch.tensor([ex.input_ids for ex in exs[:16]]).cuda()
         torch.cuda.reset_peak_memory_stats()
         plain_step(model, ids, torch.ones_like(ids), ids)
@@ -244,21 +279,12 @@ def memory_part(layers: int, examples: int, p: int) -> dict:
         plain_peak = torch.cuda.max_memory_allocated() / GiB
     except torch.OutOfMemoryError as err:
         plain_peak = f"out of memory: {str(err)[:120]}"
-    for q in model.parameters():
-        q.grad = None
-    row = {
-        "row": f"build_index peak memory, qwen3 shape, {layers} layers, 8192-token batches, sum blocks, p={p}",
-        "weights_gib": weights / GiB,
-        "build_peak_gib": peak / GiB,
-        "peak_over_weights": peak / weights,
-        "build_tok_s": examples * 512 / seconds,
-        "plain_step_peak_gib": plain_peak,
-    }
-    print(json.dumps(row), flush=True)
-    shutil.rmtree(path, ignore_errors=True)
+    for row in rows:
+        row["plain_step_peak_gib_16x512"] = plain_peak
+    print(json.dumps({"plain_step_peak_gib_16x512": plain_peak}), flush=True)
     del model
     torch.cuda.empty_cache()
-    return row
+    return rows
 
 
 def phases_part(layers: int, p: int, steps: int, profile: bool = False) -> dict:
@@ -335,6 +361,8 @@ def main() -> None:
     parser.add_argument("--build_layers", type=int, default=24)
     parser.add_argument("--build_examples", type=int, default=128)
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of a build")
+    parser.add_argument("--memory_tokens", type=int, nargs="+", default=[8192], help="memory48: token batch sizes")
+    parser.add_argument("--build_recompute", action="store_true", help="build: also time builds with recompute")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("e2e.py needs a CUDA GPU")
@@ -354,18 +382,18 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
     if "collect" in args.parts:
-        results["collect"] = collect_part(args.projection_dim, args.steps, args.rounds)
+        results["collect"] = collect_part(args.projection_dim, args.steps, args.rounds, args.profile)
         save()
     if "phases" in args.parts:
         results["phases"] = phases_part(args.build_layers, args.projection_dim, args.steps, args.profile)
         save()
     if "build" in args.parts:
         results["build"] = build_part(
-            args.build_layers, args.build_examples, args.projection_dim, args.rounds, args.profile
+            args.build_layers, args.build_examples, args.projection_dim, args.rounds, args.profile, args.build_recompute
         )
         save()
     if "memory48" in args.parts:
-        results["memory48"] = memory_part(48, 64, args.projection_dim)
+        results["memory48"] = memory_part(48, 64, args.projection_dim, args.memory_tokens)
         save()
 
 

@@ -170,6 +170,10 @@ def main() -> None:
                 fp32_bytes,
                 lambda more=more: torch.from_numpy(ma.score(index["float32"], q, **more).rows),
             )
+            methods[f"score pread {mb:g} MiB"] = (
+                fp32_bytes,
+                lambda more=more: torch.from_numpy(ma.score(index["float32"], q, reader="pread", **more).rows),
+            )
         if not args.skip_old:
             methods["old path"] = (fp32_bytes, lambda: old_path(index["float32"], q, args.top_k))
         times: dict[str, list[float]] = {m: [] for m in methods}
@@ -202,6 +206,7 @@ def main() -> None:
             "seconds": times,
             "median_s": med,
             "gb_s": gbs,
+            "ratio_to_baseline": {m: gbs[m] / gbs["pinned baseline"] for m in methods},
             "ratio_score_to_baseline": gbs["score"] / gbs["pinned baseline"],
             "ratio_score_pread_to_baseline": gbs["score pread"] / gbs["pinned baseline"],
             "ratio_score_bf16_time_to_score": med["score bf16"] / med["score"],

@@ -39,16 +39,26 @@ def make_collector(
     seed: int,
     optimizer_state: str | None,
     projection: str = PROJECTION,
+    recompute: bool = False,
 ):
-    """The collector an index is built with: seeded projections of kind `projection`, optimizer-normalised if asked."""
+    """The collector an index is built with: seeded projections of kind `projection`, optimizer-normalised if
+    asked; `recompute` runs each decoder layer's forward again in the backward (`moe_attrib.recompute`)."""
     if not optimizer_state:
-        return GradientCollector(model, report, projection_dim=projection_dim, seed=seed, projection=projection)
+        return GradientCollector(
+            model, report, projection_dim=projection_dim, seed=seed, projection=projection, recompute=recompute
+        )
     from moe_attrib.normalizers import Normalizer, load_optimizer_state
 
     normalizer = Normalizer(model, report, load_optimizer_state(optimizer_state, model))
     projector = normalizer.projector(projection_dim, seed, projection)
     return GradientCollector(
-        model, report, projection_dim=projection_dim, seed=seed, projector=projector, projection=projection
+        model,
+        report,
+        projection_dim=projection_dim,
+        seed=seed,
+        projector=projector,
+        projection=projection,
+        recompute=recompute,
     )
 
 
@@ -74,6 +84,7 @@ def build_index(
     extra_settings: dict | None = None,
     dist: Dist | None = None,
     progress: bool = True,
+    recompute: bool = False,
 ) -> Path:
     """Per-example projected gradients of every example, one index row each (row = example index).
 
@@ -90,7 +101,9 @@ def build_index(
     before any expansion. An example with a non-finite loss or gradient stops the build with a
     `NonFiniteGradientError` naming it. `overwrite=True` replaces an existing index at `index`
     (only its files); any other non-empty directory there is refused. `index_dtype` ("float32",
-    "float16", "bfloat16") is how rows are stored (`moe_attrib.index`; docs/build.md).
+    "float16", "bfloat16") is how rows are stored (`moe_attrib.index`; docs/build.md). `recompute=True`
+    keeps only each decoder layer's inputs for the backward and runs the layer again there: the same
+    rows with far less activation memory, for one more forward per batch (`moe_attrib.recompute`).
     """
     from moe_attrib.version import __version__
 
@@ -152,7 +165,8 @@ def build_index(
         num_batches=len(batches),
         examples=len(examples),
     )
-    collector = make_collector(model, report, projection_dim, seed, optimizer_state, projection)  # errors: no DIR.part
+    # errors here leave no DIR.part
+    collector = make_collector(model, report, projection_dim, seed, optimizer_state, projection, recompute)
     if dist.is_main:
         writer = IndexWriter(
             index, manifest, resume=resume, token_offsets=offsets, overwrite=overwrite, index_dtype=index_dtype, **shape

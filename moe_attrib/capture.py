@@ -123,6 +123,7 @@ class Capture:
         self._target_handles: dict[str, list] = {}
         self._restore: list[tuple[nn.Module, str, bool, object]] = []
         self._requires_grad: dict[nn.Parameter, bool] = {}
+        self._paused = 0
         self.taps = WeightTaps(model, [t for t in targets if t.kind in ("linear", "router")], self._tapped)
 
     # -- installation -------------------------------------------------------------------------
@@ -241,6 +242,16 @@ class Capture:
             for h in self._target_handles.pop(name, []):
                 h.remove()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing while inside: a decoder layer's forward run again for its backward
+        (`moe_attrib.recompute`) must not record its rows a second time."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     def reset(self) -> None:
         self.batch = None
         self.records, self.counts = [], {}
@@ -267,7 +278,7 @@ class Capture:
     def _dense(
         self, target: Target, x: torch.Tensor, y: torch.Tensor, transposed: bool, out_transposed: bool = False
     ) -> None:
-        if not isinstance(y, torch.Tensor) or not y.requires_grad:
+        if not isinstance(y, torch.Tensor) or not y.requires_grad or self._paused:
             return
         name = target.name
         x = self._per_example(x.detach().reshape(-1, x.shape[-1]))
@@ -291,7 +302,7 @@ class Capture:
         Group g's output gradient enters the rows as the full-width vector that is zero outside
         block g, so `sum_rows g x^T` is the gradient of the `[out, in_per_group]` weight.
         """
-        if not y.requires_grad:
+        if not y.requires_grad or self._paused:
             return
         name, groups = target.name, grouped_linear_groups(target.module)
         out = target.module.weight.shape[0]
@@ -349,7 +360,7 @@ class Capture:
     def _experts_sink(
         self, layout: ExpertsLayout, proj: str, x: torch.Tensor, y: torch.Tensor, rows: RoutedRows
     ) -> None:
-        if not y.requires_grad:
+        if not y.requires_grad or self._paused:
             return
         grid = self._routing_grid(layout, rows)
         e = layout.num_experts

@@ -166,6 +166,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 extra_settings=data_settings(args, tokenizer),
                 dist=dist,
                 progress=not args.quiet,
+                recompute=args.recompute_layers,
             )
     except KeyboardInterrupt:
         if part_dir(args.index).exists():
@@ -259,6 +260,7 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
                 factor_device=args.factor_device or dist.device,
                 dist=dist,
                 progress=not args.quiet,
+                recompute=args.recompute_layers,
             )
     except (DataError, LayoutError, FactorMemoryError, FingerprintError, UsageError, ValueError) as err:
         print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
@@ -479,6 +481,12 @@ def add_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--fsdp", action="store_true", help=FSDP_HELP)
+    parser.add_argument(
+        "--recompute_layers",
+        action="store_true",
+        help="keep only each decoder layer's inputs and run it again in the backward: far less activation "
+        "memory (same rows) for one more forward per batch",
+    )
 
 
 FSDP_HELP = "under torchrun: shard the model over the ranks with FSDP2 (models larger than one device)"

@@ -12,6 +12,7 @@ collection and only activation gradients flow.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 
@@ -23,6 +24,7 @@ from moe_attrib.capture import BatchInfo, Capture, CaptureRecord
 from moe_attrib.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.layouts import Kernels
 from moe_attrib.projection import PROJECTION, Projections, side_width
+from moe_attrib.recompute import recompute_layers
 
 
 class PerExampleGradients(dict):
@@ -207,13 +209,16 @@ class GradientCollector:
         projector: Callable | None = None,
         row_sink: Callable | None = None,
         projection: str = PROJECTION,
+        recompute: bool = False,
     ):
         """`projector(name, side, features, like, batch)` replaces the seeded random projections
         (EK-FAC uses it to rotate rows into its eigenbases; None for a side kept as it is);
         `row_sink(records, batch)` receives the `CaptureRecord`s and `BatchInfo` instead of forming
         per-example gradients (EK-FAC's covariances). `projection`: the kind of seeded projection
         (`moe_attrib.projection`; an index's own kind), which with `projection_dim` also sets the
-        shape of a block that received no gradient (zeros) when a `projector` is given."""
+        shape of a block that received no gradient (zeros) when a `projector` is given.
+        `recompute=True` keeps only each decoder layer's inputs and runs its forward again in the
+        backward (`moe_attrib.recompute`): the same rows for far less activation memory, one more forward."""
         self.model = model
         self.projector = projector
         self.row_sink = row_sink
@@ -221,8 +226,10 @@ class GradientCollector:
         self.projection_dim = projection_dim
         self.seed = seed
         self.projection = projection
+        self.recompute = recompute
         self.kernels = Kernels()
         self.capture: Capture | None = None
+        self._stack: contextlib.ExitStack | None = None
         self._proj: Projections | None = None
 
     @property
@@ -237,13 +244,18 @@ class GradientCollector:
             projector=self._projection if projecting else None,
             kernels=self.kernels,
         )
-        self.capture = capture.__enter__()
+        with contextlib.ExitStack() as stack:
+            self.capture = stack.enter_context(capture)
+            if self.recompute:
+                stack.enter_context(recompute_layers(self.model, capture.paused))
+            self._stack = stack.pop_all()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.capture is not None:
-            self.capture.__exit__(*exc)
-            self.capture = None
+        if self._stack is not None:
+            self._stack.__exit__(*exc)
+            self._stack = None
+        self.capture = None
 
     def _projection(self, name: str, side: str, features: int, like: torch.Tensor, batch: int | None = None):
         if self.projector is not None:
@@ -372,6 +384,7 @@ def per_example_gradients(
     projection_dim: int | None = None,
     seed: int = 0,
     projection: str = PROJECTION,
+    recompute: bool = False,
 ) -> PerExampleGradients:
     """Per-example gradients of every tracked module for one batch.
 
@@ -381,8 +394,11 @@ def per_example_gradients(
     default `projection` kind (`rademacher-hash-v2`: weights `min(out, p) x min(in, p)` in the
     stored orientation, biases `min(out, p)`; `rademacher-hash-v1`: `p x p` and `p`).
     Each example's loss is its summed token cross-entropy (labels = input_ids, padding
-    ignored), so entry n equals autograd's gradient of example n's loss alone.
+    ignored), so entry n equals autograd's gradient of example n's loss alone. `recompute`: see
+    `GradientCollector`.
     """
     report = discover(model, track_moe_experts=track_moe_experts)
-    with GradientCollector(model, report, projection_dim=projection_dim, seed=seed, projection=projection) as collector:
+    with GradientCollector(
+        model, report, projection_dim=projection_dim, seed=seed, projection=projection, recompute=recompute
+    ) as collector:
         return collector.collect(input_ids, attention_mask, labels)

@@ -337,6 +337,14 @@ def _target_params(t: Target) -> list[torch.Tensor]:
     return [e.param for e in t.entries()]
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers: the `nn.ModuleList` holding the most parameters (FSDP units, recomputed layers)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no decoder layer list (nn.ModuleList) found in the model.")
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
 def experts_layout_for(experts: list[ExpertsLayout], module: nn.Module) -> ExpertsLayout | None:
     return next((lay for lay in experts if lay.module is module), None)
 

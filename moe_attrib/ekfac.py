@@ -341,6 +341,7 @@ def fit_ekfac(
     dist: Dist | None = None,
     out: str | Path | None = None,
     progress: bool = True,
+    recompute: bool = False,
 ) -> EKFAC:
     """Fit EK-FAC factors on `examples`: covariances, float64 eigendecompositions, corrected eigenvalues.
 
@@ -349,7 +350,8 @@ def fit_ekfac(
     (`moe_attrib.projection`): the index's own, `projection_kind(index.manifest["settings"])`.
     `fold_bias` preconditions each bias with its weight (a ones column on the input side).
     Refuses with `FactorMemoryError` when the factors exceed `max_memory_gib`.
-    Under torchrun the sums are all-reduced, so every rank ends with the same factors.
+    Under torchrun the sums are all-reduced, so every rank ends with the same factors. `recompute`:
+    decoder layers run again in the backward instead of keeping their activations (`moe_attrib.recompute`).
     """
     check_damping(damping, damping_scope)
     check_kind(projection)
@@ -409,6 +411,7 @@ def fit_ekfac(
         seed=seed,
         row_sink=lambda records, batch: sink(records, batch) if live[0] else None,
         projection=projection,
+        recompute=recompute,
     ) as collector:
         gen_state = torch.random.get_rng_state()
         run(collector, "ekfac covariances", lambda out: None)
@@ -458,7 +461,7 @@ def fit_ekfac(
                 )
             f.lam += (rotated**2).sum(dim=0)
 
-    with GradientCollector(model, report, projector=rotator) as collector:
+    with GradientCollector(model, report, projector=rotator, recompute=recompute) as collector:
         run(collector, "ekfac eigenvalue correction", add)
     torch.random.set_rng_state(gen_state)
     dist.all_reduce_(total)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from moe_attrib.discovery import decoder_layers as find_decoder_layers
 from moe_attrib.distributed import Dist
 
 
@@ -27,11 +28,11 @@ class ShardingError(ValueError):
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers (the longest `nn.ModuleList` of the model): one FSDP unit each."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        raise ShardingError(f"{type(model).__name__}: no decoder layer list (nn.ModuleList) to shard with --fsdp.")
-    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+    """The decoder layers (`moe_attrib.discovery.decoder_layers`): one FSDP unit each."""
+    try:
+        return find_decoder_layers(model)
+    except ValueError as err:
+        raise ShardingError(f"{err} --fsdp shards one decoder layer per unit.") from err
 
 
 def shard_model(model: nn.Module, dist: Dist) -> nn.Module:

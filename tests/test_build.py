@@ -48,10 +48,12 @@ def build(*args, check=True, timeout=600, env=None):
     return res
 
 
-@pytest.mark.parametrize("blocks", ["separate", "sum"])
-def test_index_rows_equal_per_example_gradients(model_dir, tmp_path, blocks):
+@pytest.mark.parametrize("blocks,recompute", [("separate", False), ("sum", False), ("sum", True)])
+def test_index_rows_equal_per_example_gradients(model_dir, tmp_path, blocks, recompute):
+    """With `--recompute_layers` too: rows equal the per-example gradients collected without it."""
     index = tmp_path / "index"
     build(
+        *(["--recompute_layers"] if recompute else []),
         model_dir,
         CORPUS,
         "--index",

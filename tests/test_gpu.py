@@ -163,3 +163,29 @@ def test_cuda_formation_peak_memory_sized_by_routed_rows(monkeypatch):
     print(f"formation peak {peaks[0] / 2**20:.2f} MiB, bound {bound / 2**20:.2f}, old grid {old_grid_side / 2**20:.2f}")
     assert bound < old_grid_side  # the old formation held two such sides at once
     assert peaks[0] <= bound
+
+
+def test_cuda_recompute_same_rows_less_memory():
+    """`recompute=True` on CUDA: the same projected rows (bf16, grouped_mm) for a smaller peak of memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=256, num_hidden_layers=8, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=128, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, vocab_size=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, 512, (8, 1024), device="cuda")
+    peaks, grads = [], []
+    for recompute in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads.append(ma.per_example_gradients(model, ids, projection_dim=16, seed=1, recompute=recompute))
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    worst = max(rel_err(grads[1][k], grads[0][k]) for k in grads[0] if grads[0][k].float().norm() > 0)
+    mib = [p / 2**20 for p in peaks]
+    print(f"recompute: peak above weights {mib[0]:.0f} -> {mib[1]:.0f} MiB, worst rel err {worst:.1e}")
+    assert worst < 1e-2, worst  # the same kernels on the same inputs, up to bf16 atomics' order
+    assert peaks[1] < 0.6 * peaks[0], peaks

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import moe_attrib as ma
+from moe_attrib.discovery import decoder_layers
 from moe_attrib.projection import projection_matrix
 from moe_attrib.zoo import FAMILIES, tiny_model
 from tests.conftest import rel_err
@@ -59,6 +60,39 @@ def test_exact_matches_per_sample_autograd(family, padded_batch):
     assert torch.equal(before, after)
     assert [p.requires_grad for p in model.parameters()] == flags
     assert "forward" not in vars(report.experts[0].module)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v4", "jamba"])
+def test_recomputed_layers_match_per_sample_autograd(family, padded_batch):
+    """`recompute=True`: every decoder layer runs twice (forward, then again in the backward) and the
+    gradients still equal per-sample autograd; the layers' forwards are restored afterwards."""
+    ids, mask = padded_batch
+    model = tiny_model(family)
+    layers = decoder_layers(model)
+    cls, calls = type(layers[0]), []
+    original = cls.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        return original(self, *args, **kwargs)
+
+    cls.forward = counted
+    try:
+        report = ma.discover(model, track_moe_experts=True)
+        grads = ma.per_example_gradients(model, ids, mask, recompute=True)
+    finally:
+        cls.forward = original
+    assert len(calls) == 2 * sum(isinstance(layer, cls) for layer in layers)
+    assert not any("forward" in vars(layer) for layer in layers)
+    ref = reference_gradients(model, ids, mask, report.targets)
+    assert set(grads) == set(ref[0])
+    for name, value in grads.items():
+        for n in range(ids.shape[0]):
+            expected = ref[n][name]
+            if expected.norm() == 0:
+                assert value[n].abs().max() < 1e-6, (name, n)
+            else:
+                assert rel_err(value[n], expected) < RTOL, name
 
 
 def side_matrix(name: str, p: int, features: int, seed: int, batch: int | None = None) -> torch.Tensor:

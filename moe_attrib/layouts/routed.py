@@ -72,7 +72,9 @@ def grouped_experts_forward(
     if zero_experts:
         index = index.clamp(max=layout.num_experts)
     rows, perm = route_rows(index, num_tokens, total)
-    xs = x[rows.token]
+    # index_select / index_add_, not x[idx] / out[idx]: their backwards are a plain scatter-add and a
+    # gather, where advanced indexing's backward is a sorting index_put (a tenth of a CUDA step)
+    xs = x.index_select(0, rows.token)
     used = layout.num_experts
     up_name, down_name = layout.projections
     identity = (rows.expert >= used).unsqueeze(-1) if zero_experts else None
@@ -91,9 +93,7 @@ def grouped_experts_forward(
     if identity is not None:
         out = torch.where(identity, xs.to(out.dtype), out.masked_fill(identity, 0.0))
     out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    final = out[inverse].view(num_tokens, k, -1).sum(dim=1)
+    final = out.new_zeros(num_tokens, out.shape[-1]).index_add_(0, rows.token, out)
     return final.to(hidden_states.dtype).reshape(*shape[:-1], final.shape[-1])
 
 
