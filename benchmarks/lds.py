@@ -40,6 +40,7 @@ from moe_attrib.collector import example_losses  # noqa: E402
 from moe_attrib.data import collate, labels_for, load_examples  # noqa: E402
 from moe_attrib.ekfac import DAMPING_SCOPES, DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE  # noqa: E402
 from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
+from moe_attrib.projection import PROJECTION, PROJECTION_V1  # noqa: E402
 from moe_attrib.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
 from moe_attrib.synthetic import multi_domain_corpus, texts  # noqa: E402
 from moe_attrib.zoo import tiny_model, train_tokenizer  # noqa: E402
@@ -242,35 +243,53 @@ class Attribution:
         self.device, self.optimizer_state = device, optimizer_state
         self.cache: dict = {}
 
-    def get(self, p: int | None, tracked: bool = True, opt: bool = False):
-        key = (p, tracked, opt)
+    def get(self, p: int | None, tracked: bool = True, opt: bool = False, kind: str = PROJECTION):
+        key = (p, tracked, opt, kind)
         if key not in self.cache:
-            path = self.root / f"index-{p}-{tracked}-{opt}"
+            path = self.root / f"index-{p}-{tracked}-{opt}-{kind}"
             ma.build_index(self.model, self.examples, path, projection_dim=p, track_moe_experts=tracked,
-                           optimizer_state=str(self.optimizer_state) if opt else None, progress=False)  # fmt: skip
+                           optimizer_state=str(self.optimizer_state) if opt else None, projection=kind,
+                           progress=False)  # fmt: skip
             index = ma.load_index(path)
             q = ma.query_gradients(self.model, self.queries, index)
             self.cache[key] = (index, q, np.asarray(index.gradients))
         return self.cache[key]
 
     def ekfac(
-        self, p: int | None, tracked: bool = True, sampled: bool | None = None, damping=None, scope=None, fold=None
+        self,
+        p: int | None,
+        tracked: bool = True,
+        sampled: bool | None = None,
+        damping=None,
+        scope=None,
+        fold=None,
+        kind: str = PROJECTION,
     ):
         """Factors fitted with the library's defaults except where given; damping re-applied without refitting."""
-        key = ("ekfac", p, tracked, sampled, fold)
+        key = ("ekfac", p, tracked, sampled, fold, kind)
         if key not in self.cache:
             kwargs = {} if sampled is None else {"sampled_labels": sampled}
             if fold is not None:
                 kwargs["fold_bias"] = fold
             self.cache[key] = ma.fit_ekfac(self.model, self.examples, projection_dim=p, track_moe_experts=tracked,
-                                           progress=False, **kwargs)  # fmt: skip
+                                           projection=kind, progress=False, **kwargs)  # fmt: skip
         ek = self.cache[key]
         if damping is not None or scope is not None:
             ek = ek.with_damping(DEFAULT_DAMPING if damping is None else damping, scope or DEFAULT_DAMPING_SCOPE)
         return ek
 
-    def scores(self, p=None, tracked=True, opt=False, ekfac=None, unit=False, group=None, per_module_unit=False):
-        index, q, rows = self.get(p, tracked, opt)
+    def scores(
+        self,
+        p=None,
+        tracked=True,
+        opt=False,
+        ekfac=None,
+        unit=False,
+        group=None,
+        per_module_unit=False,
+        kind=PROJECTION,
+    ):
+        index, q, rows = self.get(p, tracked, opt, kind)
         modules = groups(self.model)[group] if group else None
         if not per_module_unit:
             return ma.score_matrix(index, q, ekfac=ekfac, unit_normalize=unit, modules=modules, device=self.device)
@@ -292,6 +311,10 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
     p0, unit0 = DEFAULT_PROJECTION_DIM, DEFAULT_UNIT_NORMALIZE
     ek = att.ekfac(p0)
     v[f"default pipeline (p={p0}, experts tracked, EK-FAC)"] = att.scores(p0, ekfac=ek, unit=unit0)
+    v1 = {"kind": PROJECTION_V1}  # every side projected to p, narrow ones too (the default before issue 11)
+    v[f"default pipeline, v1 projection (every side to p={p0})"] = att.scores(
+        p0, ekfac=att.ekfac(p0, **v1), unit=unit0, **v1
+    )
     v[f"default pipeline, not tracked (p={p0})"] = att.scores(
         p0, tracked=False, ekfac=att.ekfac(p0, tracked=False), unit=unit0
     )
@@ -306,6 +329,8 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
         v[f"exact, {group} alone, no preconditioning"] = att.scores(None, group=group, unit=unit0)
     for p in ps:
         v[f"projected p={p}, EK-FAC"] = att.scores(p, ekfac=att.ekfac(p), unit=unit0)
+    for p in ps:
+        v[f"projected p={p}, v1 projection, EK-FAC"] = att.scores(p, ekfac=att.ekfac(p, **v1), unit=unit0, **v1)
     for sampled in (False, True):
         fisher = "sampled-label" if sampled else "empirical"
         for scope in DAMPING_SCOPES:

@@ -34,14 +34,16 @@ class LoopCollector:
 
         def capture(name, e, x, y, tok):
             proj = self.proj
-            xp = x.detach() @ proj.get(name, "in", x.shape[-1], experts)[e]
+            p_in = proj.get(name, "in", x.shape[-1], experts)  # None: a side no wider than p stays exact
+            xp = x.detach() @ p_in[e] if p_in is not None else x.detach()
             example = tok // self.s
 
             def backward(g):
-                gp = g @ proj.get(name, "out", g.shape[-1], experts)[e]
+                p_out = proj.get(name, "out", g.shape[-1], experts)
+                gp = g @ p_out[e] if p_out is not None else g
                 outer = torch.einsum("rp,rq->rpq", gp.float(), xp.float())
                 key = (name, e)
-                acc = self.results.setdefault(key, torch.zeros(self.n, self.p, self.p, device=g.device))
+                acc = self.results.setdefault(key, torch.zeros(self.n, *outer.shape[1:], device=g.device))
                 acc.index_add_(0, example, outer)
 
             y.register_hook(backward)

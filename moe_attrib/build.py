@@ -51,7 +51,15 @@ def make_collector(
 
     normalizer = Normalizer(model, report, load_optimizer_state(optimizer_state, model))
     projector = normalizer.projector(projection_dim, seed, projection)
-    return GradientCollector(model, report, projector=projector, recompute=recompute)
+    return GradientCollector(
+        model,
+        report,
+        projection_dim=projection_dim,
+        seed=seed,
+        projector=projector,
+        projection=projection,
+        recompute=recompute,
+    )
 
 
 def build_index(
@@ -111,7 +119,7 @@ def build_index(
         )
     if not report.targets:
         raise ValueError(f"no module to attribute (filter_modules={filter_modules!r} matched nothing?)")
-    blocks = column_plan(report, projection_dim, expert_blocks)
+    blocks = column_plan(report, projection_dim, expert_blocks, projection)
     batches = token_batches(examples, token_batch_size)
     layers = len(report.experts) if track_moe_experts else 0
     width = max((lay.num_experts for lay in report.experts), default=0) if track_moe_experts else 0

@@ -40,7 +40,7 @@ from moe_attrib.taps import WeightTaps
 # check, which runs the module's eager forward (a loop over experts: seconds on a full-size model)
 _VERIFIED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
-Projector = Callable[[str, str, int, torch.Tensor, "int | None"], torch.Tensor]
+Projector = Callable[[str, str, int, torch.Tensor, "int | None"], "torch.Tensor | None"]
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Capture:
     """Installs capture on a model's targets; a context manager that removes everything on exit.
 
     `projector(name, side, features, like, batch)` gives the matrix rows are multiplied by on
-    capture (None: rows are kept as they are).
+    capture, or None for a side kept exact (no projector: every side is kept as it is).
     """
 
     def __init__(
@@ -258,6 +258,9 @@ class Capture:
 
     # -- dense targets -----------------------------------------------------------------------------
     def _project(self, name: str, side: str, features: int, like: torch.Tensor, batch: int | None = None):
+        """The matrix one side's rows are multiplied by, or None where they are kept as they are."""
+        if self.projector is None:
+            return None
         return self.projector(name, side, features, like, batch)
 
     def _per_example(self, rows: torch.Tensor) -> torch.Tensor:
@@ -277,9 +280,10 @@ class Capture:
     ) -> None:
         if not isinstance(y, torch.Tensor) or not y.requires_grad or self._paused:
             return
-        name, project = target.name, self.projector is not None
+        name = target.name
         x = self._per_example(x.detach().reshape(-1, x.shape[-1]))
-        x = self.kernels.matmul_fp32(x, self._project(name, "in", x.shape[-1], x)) if project else x.float()
+        p_in = self._project(name, "in", x.shape[-1], x)
+        x = self.kernels.matmul_fp32(x, p_in) if p_in is not None else x.float()
         record = CaptureRecord(name, x, transposed, target.module._parameters.get("bias") is not None)
         self.records.append(record)
 
@@ -287,7 +291,8 @@ class Capture:
             if out_transposed:
                 g = g.transpose(-1, -2)
             g = self._per_example(g.reshape(-1, g.shape[-1]))
-            record.g = self.kernels.matmul_fp32(g, self._project(name, "out", g.shape[-1], g)) if project else g.float()
+            p_out = self._project(name, "out", g.shape[-1], g)
+            record.g = self.kernels.matmul_fp32(g, p_out) if p_out is not None else g.float()
 
         y.register_hook(backward)
 
@@ -302,18 +307,19 @@ class Capture:
         name, groups = target.name, grouped_linear_groups(target.module)
         out = target.module.weight.shape[0]
         x = self._per_example(x.detach().reshape(-1, x.shape[-1]))  # [N, S * G, in]
-        x = (x @ self._project(name, "in", x.shape[-1], x)).float() if self.projector is not None else x.float()
+        p_in = self._project(name, "in", x.shape[-1], x)
+        x = (x @ p_in).float() if p_in is not None else x.float()
         record = CaptureRecord(name, x, False, target.module._parameters.get("bias") is not None, groups=groups)
         self.records.append(record)
 
         def backward(g: torch.Tensor) -> None:
             g = g.reshape(-1, groups, g.shape[-1])  # [T, G, out / G]
-            if self.projector is not None:
-                p_out = self._project(name, "out", out, g).view(groups, out // groups, -1)
-                rows = torch.einsum("tgo,gop->tgp", g, p_out)
+            p_out = self._project(name, "out", out, g)
+            if p_out is not None:
+                rows = torch.einsum("tgo,gop->tgp", g, p_out.view(groups, out // groups, -1))
             else:
                 rows = torch.einsum("tgo,gh->tgho", g, torch.eye(groups, dtype=g.dtype, device=g.device))
-            record.g = self._per_example(rows.reshape(-1, rows.shape[-1] if self.projector is not None else out))
+            record.g = self._per_example(rows.reshape(-1, rows.shape[-1] if p_out is not None else out))
             record.g = record.g.float()
 
         y.register_hook(backward)
@@ -362,17 +368,16 @@ class Capture:
         pname = f"{layout.name}.{proj}"
         in_features, out_features = layout.features(proj)
         x = x.detach()
-        project = self.projector is not None
-        if project:
-            p_in = self._project(pname, "in", in_features, x, e)
+        p_in = self._project(pname, "in", in_features, x, e)
+        if p_in is not None:
             x = self.kernels.grouped_matmul(x, p_in, offsets, fp32_out=True)
         record = CaptureRecord(pname, x.float(), layout.transposed, layout.bias(proj) is not None, grid=grid)
         record.layout = layout
         self.records.append(record)
 
         def backward(g: torch.Tensor) -> None:
-            if project:
-                p_out = self._project(pname, "out", out_features, g, e)
+            p_out = self._project(pname, "out", out_features, g, e)
+            if p_out is not None:
                 g = self.kernels.grouped_matmul(g, p_out, offsets, fp32_out=True)
             record.g = g.float()
 

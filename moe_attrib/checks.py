@@ -133,6 +133,7 @@ def check_ekfac_dirs(dirs: list[str], settings: dict, index_path: str) -> None:
     import json
 
     from moe_attrib.fingerprint import check_settings_match
+    from moe_attrib.projection import projection_kind
 
     for d in dirs:
         try:
@@ -144,5 +145,11 @@ def check_ekfac_dirs(dirs: list[str], settings: dict, index_path: str) -> None:
                 f"--ekfac {d}: fitted with projection_dim={info['projection_dim']}, seed={info['seed']} but the index "
                 f"{index_path} uses projection_dim={settings['projection_dim']}, seed={settings['seed']}; refit with "
                 f"`moe-attrib ekfac ... --index {index_path}`."
+            )
+        kinds = (projection_kind(settings), projection_kind(info.get("settings", {})))
+        if settings["projection_dim"] is not None and kinds[0] != kinds[1]:
+            raise UsageError(
+                f"--ekfac {d}: fitted with projection {kinds[1]!r} but the index {index_path} uses {kinds[0]!r}; "
+                f"refit with `moe-attrib ekfac ... --index {index_path}` (it takes the index's)."
             )
         check_settings_match(settings, info.get("settings", {}), a_name=f"index {index_path}", b_name=f"--ekfac {d}")

@@ -23,7 +23,7 @@ from torch import nn
 from moe_attrib.capture import BatchInfo, Capture, CaptureRecord
 from moe_attrib.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.layouts import Kernels
-from moe_attrib.projection import PROJECTION, Projections
+from moe_attrib.projection import PROJECTION, Projections, side_width
 from moe_attrib.recompute import recompute_layers
 
 
@@ -212,9 +212,11 @@ class GradientCollector:
         recompute: bool = False,
     ):
         """`projector(name, side, features, like, batch)` replaces the seeded random projections
-        (EK-FAC uses it to rotate rows into its eigenbases); `row_sink(records, batch)` receives the
-        `CaptureRecord`s and `BatchInfo` instead of forming per-example gradients (EK-FAC's
-        covariances). `projection`: the kind of seeded projection (`moe_attrib.projection`; an index's own kind).
+        (EK-FAC uses it to rotate rows into its eigenbases; None for a side kept as it is);
+        `row_sink(records, batch)` receives the `CaptureRecord`s and `BatchInfo` instead of forming
+        per-example gradients (EK-FAC's covariances). `projection`: the kind of seeded projection
+        (`moe_attrib.projection`; an index's own kind), which with `projection_dim` also sets the
+        shape of a block that received no gradient (zeros) when a `projector` is given.
         `recompute=True` keeps only each decoder layer's inputs and runs its forward again in the
         backward (`moe_attrib.recompute`): the same rows for far less activation memory, one more forward."""
         self.model = model
@@ -367,9 +369,8 @@ class GradientCollector:
         return result
 
     def _zeros(self, shape, key: str, n: int, tokens: int, device) -> torch.Tensor:
-        p = self.projection_dim
-        if p:
-            shape = (p, p) if key == "weight" else (p,)
+        if self.projection_dim:
+            shape = tuple(side_width(self.projection, d, self.projection_dim) for d in shape)
         lead = (n, tokens) if tokens else (n,)
         return torch.zeros(*lead, *shape, device=device)
 
@@ -382,17 +383,22 @@ def per_example_gradients(
     track_moe_experts: bool = True,
     projection_dim: int | None = None,
     seed: int = 0,
+    projection: str = PROJECTION,
     recompute: bool = False,
 ) -> PerExampleGradients:
     """Per-example gradients of every tracked module for one batch.
 
     Returns `{"<module>.weight" / ".bias": Tensor [N, *shape]}`: the module's weight shape
-    (ExpertLinear: the fused slice as stored) when `projection_dim` is None, else
-    `[N, projection_dim, projection_dim]` for weights and `[N, projection_dim]` for biases.
+    (ExpertLinear: the fused slice as stored) when `projection_dim` is None, else each side of
+    that shape projected to `projection_dim` columns, a side no wider kept exact under the
+    default `projection` kind (`rademacher-hash-v2`: weights `min(out, p) x min(in, p)` in the
+    stored orientation, biases `min(out, p)`; `rademacher-hash-v1`: `p x p` and `p`).
     Each example's loss is its summed token cross-entropy (labels = input_ids, padding
     ignored), so entry n equals autograd's gradient of example n's loss alone. `recompute`: see
     `GradientCollector`.
     """
     report = discover(model, track_moe_experts=track_moe_experts)
-    with GradientCollector(model, report, projection_dim=projection_dim, seed=seed, recompute=recompute) as collector:
+    with GradientCollector(
+        model, report, projection_dim=projection_dim, seed=seed, projection=projection, recompute=recompute
+    ) as collector:
         return collector.collect(input_ids, attention_mask, labels)

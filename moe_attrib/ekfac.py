@@ -9,7 +9,8 @@ per-example gradient is ever formed) and averages its squares: the corrected eig
 `Q_r [(Q_r^T W Q_c) / (Lambda + damping)] Q_c^T`.
 
 With `projection_dim=p` the factors live in the projected space (the covariances of the
-projected rows, p x p each), matching the rows of an index built with the same projection.
+projected rows, p x p each, or a side's own width where the projection kind keeps it exact:
+`moe_attrib.projection.side_width`), matching the rows of an index built with the same projection.
 
 A module with a bias has its bias folded into the weight's factors, as Kronfluence does: the
 activations get a ones column (`x' = [x, 1]`, so `A` is `(a + 1) x (a + 1)`), the bias gradient
@@ -36,7 +37,7 @@ from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.layouts import Kernels
 from moe_attrib.pipeline import batch_inputs, prefetch, to_device
-from moe_attrib.projection import PROJECTION, Projections, check_kind, projection_kind
+from moe_attrib.projection import PROJECTION, Projections, check_kind, projection_kind, side_width
 
 DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md)
 DEFAULT_DAMPING_SCOPE = "model"
@@ -190,11 +191,15 @@ def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> E
     return out
 
 
-def _dims(report: CoverageReport, p: int | None, fold_bias: bool = False) -> list[tuple]:
-    """(name, transposed, experts, input dim, output dim, bias folded) of every factor; a folded
-    bias adds the ones column to the input dim."""
+def _dims(report: CoverageReport, p: int | None, fold_bias: bool = False, kind: str = PROJECTION) -> list[tuple]:
+    """(name, transposed, experts, input dim, output dim, bias folded) of every factor, each side's
+    dim its width in the projected space of `kind`; a folded bias adds the ones column to the input dim."""
     biased = {e.block for e in iter_entries(report.targets) if e.kind == "bias"} if fold_bias else set()
     out = []
+
+    def width(features: int) -> int:
+        return side_width(kind, features, p)
+
     for t in report.targets:
         if t.kind == "experts":
             lay = t.layout
@@ -202,20 +207,25 @@ def _dims(report: CoverageReport, p: int | None, fold_bias: bool = False) -> lis
                 fin, fout = lay.features(proj)
                 name = f"{lay.name}.{proj}"
                 fold = name in biased
-                out.append((name, lay.transposed, lay.num_experts, (p or fin) + fold, p or fout, fold))
+                out.append((name, lay.transposed, lay.num_experts, width(fin) + fold, width(fout), fold))
         else:
             rows, cols = t.module.weight.shape
             fin, fout = (rows, cols) if t.transposed else (cols, rows)
             fold = t.name in biased
-            out.append((t.name, t.transposed, None, (p or fin) + fold, p or fout, fold))
+            out.append((t.name, t.transposed, None, width(fin) + fold, width(fout), fold))
     return out
 
 
-def memory_plan(report: CoverageReport, projection_dim: int | None, fold_bias: bool = DEFAULT_FOLD_BIAS) -> dict:
+def memory_plan(
+    report: CoverageReport,
+    projection_dim: int | None,
+    fold_bias: bool = DEFAULT_FOLD_BIAS,
+    projection: str = PROJECTION,
+) -> dict:
     """Bytes of float64 factors (A, G, eigenbases, eigenvalues, Lambda) per module kind and in total."""
     kinds = {t.name if t.kind != "experts" else f"{t.layout.name}": t.kind for t in report.targets}
     per_kind: dict[str, int] = {}
-    for name, _transposed, experts, a, g, _fold in _dims(report, projection_dim, fold_bias):
+    for name, _transposed, experts, a, g, _fold in _dims(report, projection_dim, fold_bias, projection):
         e = experts or 1
         size = 8 * e * (2 * a * a + 2 * g * g + a + g + a * g)
         kind = "experts" if experts else kinds.get(name, "linear")
@@ -349,7 +359,7 @@ def fit_ekfac(
     dist = dist or Dist(0, 1, device)
     weights = model_fingerprint(model)  # before any expansion; recorded in ekfac.json
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
-    plan = memory_plan(report, projection_dim, fold_bias)
+    plan = memory_plan(report, projection_dim, fold_bias, projection)
     if dist.is_main and progress:
         print(format_plan(plan))
     if max_memory_gib is not None and plan["total"] > max_memory_gib * 2**30:
@@ -360,7 +370,7 @@ def fit_ekfac(
         )
     fdev = torch.device(factor_device)
     factors: dict[str, Factor] = {}
-    for name, transposed, experts, a, g, fold in _dims(report, projection_dim, fold_bias):
+    for name, transposed, experts, a, g, fold in _dims(report, projection_dim, fold_bias, projection):
         lead = (experts,) if experts else ()
         factors[name] = Factor(
             name,
@@ -427,8 +437,9 @@ def fit_ekfac(
             q = (f.QA if side == "in" else f.QG).to(like.device, torch.float32)
             if side == "in" and f.bias:
                 q = q[..., :-1, :]  # the ones column's row enters through the bias gradient (`add`)
-            if proj is not None:
-                q = proj.get(name, side, features, batch).float() @ q
+            mat = proj.get(name, side, features, batch) if proj is not None else None  # None: side kept exact
+            if mat is not None:
+                q = mat.float() @ q
             rotations[key] = q.to(like.dtype)
         return rotations[key]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_attrib.discovery import CoverageReport, iter_entries
+from moe_attrib.projection import PROJECTION, side_width
 
 FORMAT_VERSION = 1
 INDEX_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # stored numpy dtype
@@ -90,9 +91,14 @@ def _entries(report: CoverageReport):
         yield e.key, e.layout, e.proj, e.kind, tuple(shape)
 
 
-def column_plan(report: CoverageReport, projection_dim: int | None, expert_blocks: str) -> list[Block]:
-    """Column blocks in target order: each weight is p*p columns, each bias p; with
-    `projection_dim=None` (exact rows) each block has its parameter's (one expert's) shape.
+def column_plan(
+    report: CoverageReport, projection_dim: int | None, expert_blocks: str, projection: str = PROJECTION
+) -> list[Block]:
+    """Column blocks in target order: each side of a weight (and a bias's one side) takes
+    `side_width(projection, features, p)` columns: p for a projected side, its own width for a
+    side the kind keeps exact (`rademacher-hash-v2`: a side no wider than p; v1 and legacy
+    indexes: none, every weight p*p, every bias p). With `projection_dim=None` (exact rows)
+    each block has its parameter's (one expert's) shape. `projection`: the index's kind.
 
     `expert_blocks="separate"` gives every expert its own blocks
     (`<experts>.expert_<i>.<proj>.weight`); `"sum"` sums a layer's independently projected
@@ -111,7 +117,7 @@ def column_plan(report: CoverageReport, projection_dim: int | None, expert_block
         col += size
 
     for grads_key, lay, proj, key, exact in _entries(report):
-        shape = exact if p is None else (p, p) if key == "weight" else (p,)
+        shape = exact if p is None else tuple(side_width(projection, d, p) for d in exact)
         if lay is not None and expert_blocks == "separate":
             for i in range(lay.num_experts):
                 add(f"{lay.expert_name(i, proj)}.{key}", shape)

@@ -67,7 +67,15 @@ def _index_summary(path: Path, m: dict) -> list[tuple[str, str]]:
         ("coverage", f"{m['coverage']:.2%} of trainable parameters" if "coverage" in m else "(not recorded)"),
         ("expert layers", str(len(m.get("expert_layers", [])))),
     ]
-    shown = ("projection_dim", "seed", "expert_blocks", "track_moe_experts", "filter_modules", "optimizer_state")
+    shown = (
+        "projection_dim",
+        "projection",
+        "seed",
+        "expert_blocks",
+        "track_moe_experts",
+        "filter_modules",
+        "optimizer_state",
+    )
     lines += [("settings", ", ".join(f"{k}={s[k]}" for k in shown if k in s))]
     lines += [("index_dtype", f"{s.get('index_dtype', 'float32')} (rows as stored; read as float32)")]
     lines += [(k, str(s[k])) for k in ("dtype", "max_length", "truncate", "token_batch_size") if k in s]

@@ -102,13 +102,12 @@ class Normalizer:
             key = (name, side, like.device, like.dtype)
             if key not in cache:
                 s = self.scales[name][0 if side == "in" else 1].to(like.device)
-                if projection_dim:
+                proj = None
+                if projection_dim:  # None where the kind keeps this side exact
                     proj = Projections(projection_dim, seed, like.device, torch.float32, kind).get(
                         name, side, features, batch
                     )
-                    mat = s.unsqueeze(-1) * proj
-                else:
-                    mat = torch.diag_embed(s)
+                mat = s.unsqueeze(-1) * proj if proj is not None else torch.diag_embed(s)
                 cache[key] = mat.to(like.dtype)
             return cache[key]
 

@@ -1,6 +1,13 @@
 """Seeded random projections that are bitwise identical on every device, generated on the device.
 
-The default kind, `rademacher-hash-v1`, derives every entry from a stateless integer hash of
+The default kind, `rademacher-hash-v2`, projects only the sides wider than the projection
+dimension p: a side of `features <= p` (a router's output side, a narrow expert) is kept exact
+(`side_width` is `min(features, p)`; `Projections.get` returns None for it), since expanding or
+"projecting" it to p columns saves nothing and distorts inner products (`R^T R != I`). A weight
+block is then `min(out, p) x min(in, p)`, a bias `min(out, p)`. Wider sides use exactly
+`rademacher-hash-v1`'s matrices.
+
+`rademacher-hash-v1` projects every side to p. It derives every entry from a stateless integer hash of
 (name seed, element index): a 32-bit mixer applied in three keyed rounds, written with torch
 integer ops on values below 2^49 (no overflow, no sign), which are exact on every device. Each
 hash gives 32 entries, one per bit: bit 1 is `+1/sqrt(rows)`, bit 0 is `-1/sqrt(rows)`. The
@@ -27,9 +34,11 @@ from collections import OrderedDict
 
 import torch
 
-PROJECTION = "rademacher-hash-v1"  # what new indexes and EK-FAC factors use (recorded in their settings)
+PROJECTION = "rademacher-hash-v2"  # what new indexes and EK-FAC factors use (recorded in their settings)
+PROJECTION_V1 = "rademacher-hash-v1"  # every side projected to p, narrow ones too
 LEGACY_PROJECTION = "gaussian-cpu-v0"  # settings without a "projection" key
-PROJECTION_KINDS = (PROJECTION, LEGACY_PROJECTION)
+PROJECTION_KINDS = (PROJECTION, PROJECTION_V1, LEGACY_PROJECTION)
+_KEEPS_NARROW = (PROJECTION,)  # kinds that keep a side of width <= p exact
 DEFAULT_CACHE_BYTES = 2 * 2**30
 
 _MASK32 = 0xFFFFFFFF
@@ -55,6 +64,17 @@ def check_kind(kind: str) -> None:
             f"unknown projection kind {kind!r} (known: {', '.join(PROJECTION_KINDS)}); "
             "the index or factors were written by a newer moe-attrib: upgrade it."
         )
+
+
+def keeps_side(kind: str, features: int, dim: int | None) -> bool:
+    """Whether a side of `features` stays exact (unprojected) under `kind` with projection dimension `dim`."""
+    check_kind(kind)
+    return not dim or (kind in _KEEPS_NARROW and features <= dim)
+
+
+def side_width(kind: str, features: int, dim: int | None) -> int:
+    """Columns a side of `features` takes once projected: `features` where it stays exact, else `dim`."""
+    return features if keeps_side(kind, features, dim) else dim
 
 
 def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -121,7 +141,8 @@ def projection_matrix(
 
     The 1/rows variance makes `<P a, P b>` an unbiased estimate of `<a, b>`. For fused experts
     one call draws all experts' matrices at once (`batch` = number of experts); expert i uses
-    slice i, so experts are projected independently of each other.
+    slice i, so experts are projected independently of each other. The Rademacher kinds share
+    their matrices (v2 differs from v1 only in which sides it projects: `keeps_side`).
     """
     check_kind(kind)
     if kind == LEGACY_PROJECTION:
@@ -206,16 +227,24 @@ class Projections:
         self.kind = kind
         self._mats: dict[tuple[str, str], torch.Tensor] = {}
 
-    def get(self, name: str, side: str, features: int, batch: int | None = None) -> torch.Tensor:
+    def width(self, features: int) -> int:
+        """Columns a side of `features` takes under this kind and dimension (`side_width`)."""
+        return side_width(self.kind, features, self.dim)
+
+    def get(self, name: str, side: str, features: int, batch: int | None = None) -> torch.Tensor | None:
         """Projection for one side ("in" or "out") of target `name`, transposed for right-multiplication.
 
-        Returns `[features, dim]` (or `[batch, features, dim]`) so that `rows @ P` projects rows.
+        Returns `[features, dim]` (or `[batch, features, dim]`) so that `rows @ P` projects rows,
+        or None for a side this kind keeps exact (`keeps_side`): its rows are used as they are.
         """
+        if keeps_side(self.kind, features, self.dim):
+            return None
         key = (name, side)
         mat = self._mats.get(key)
         if mat is None:
             full = f"{name}/{side}"
-            ckey = (self.kind, full, self.dim, features, batch, self.seed, str(self.device), self.dtype)
+            family = LEGACY_PROJECTION if self.kind == LEGACY_PROJECTION else PROJECTION_V1  # v1 and v2 share
+            ckey = (family, full, self.dim, features, batch, self.seed, str(self.device), self.dtype)
 
             def make() -> torch.Tensor:
                 m = projection_matrix(full, self.dim, features, self.seed, batch, self.kind, self.device)

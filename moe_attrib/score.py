@@ -306,7 +306,8 @@ def query_gradients(
     st = index.manifest["settings"]
     check_model(st, model, what=f"index {index.path}")
     report = discover(model, track_moe_experts=st["track_moe_experts"], filter_modules=st["filter_modules"], warn=False)
-    blocks = column_plan(report, st["projection_dim"], st["expert_blocks"])
+    kind = projection_kind(st)
+    blocks = column_plan(report, st["projection_dim"], st["expert_blocks"], kind)
     if [(b.name, b.start, b.stop) for b in blocks] != [(b.name, b.start, b.stop) for b in index.blocks]:
         raise ScoreError(
             f"the model's tracked modules do not match the index {index.path} (built from {st.get('model')!r}); "
@@ -318,7 +319,6 @@ def query_gradients(
     counts = np.zeros((len(examples), len(layers), index.expert_counts.shape[2]), np.float32) if layers else None
     from moe_attrib.build import make_collector
 
-    kind = projection_kind(st)
     with make_collector(model, report, st["projection_dim"], st["seed"], st.get("optimizer_state"), kind) as collector:
         for positions in token_batches(examples, token_batch_size):
             ids, mask = collate(examples, positions, pad_id)

@@ -297,7 +297,8 @@ def test_ekfac_covers_grouped_linears_against_brute_force_covariances():
         progress=False,
     )  # fmt: skip
     assert name in ek.factors
-    p_in = projection_matrix(f"{name}/in", p, module.weight.shape[1]).T.double()
+    fin = module.weight.shape[1]  # 8 = p: the default kind keeps this side exact (identity)
+    p_in = (torch.eye(fin) if fin <= p else projection_matrix(f"{name}/in", p, fin).T).double()
     p_out = projection_matrix(f"{name}/out", p, out).T.double().view(groups, out // groups, p)
     xs, gs = [], []
 

@@ -95,6 +95,14 @@ def test_recomputed_layers_match_per_sample_autograd(family, padded_batch):
                 assert rel_err(value[n], expected) < RTOL, name
 
 
+def side_matrix(name: str, p: int, features: int, seed: int, batch: int | None = None) -> torch.Tensor:
+    """The default kind's rule, stated here: a side no wider than p is kept (identity), a wider one projected."""
+    if features <= p:
+        eye = torch.eye(features)
+        return eye if batch is None else eye.expand(batch, features, features)
+    return projection_matrix(name, p, features, seed, batch)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v4"])
 def test_projected_equals_projected_exact(family, padded_batch):
     ids, mask = padded_batch
@@ -109,8 +117,8 @@ def test_projected_equals_projected_exact(family, padded_batch):
             lay = t.layout
             for pr in lay.projections:
                 fin, fout = lay.features(pr)
-                p_in = projection_matrix(f"{lay.name}.{pr}/in", p, fin, seed, lay.num_experts)
-                p_out = projection_matrix(f"{lay.name}.{pr}/out", p, fout, seed, lay.num_experts)
+                p_in = side_matrix(f"{lay.name}.{pr}/in", p, fin, seed, lay.num_experts)
+                p_out = side_matrix(f"{lay.name}.{pr}/out", p, fout, seed, lay.num_experts)
                 for i in range(lay.num_experts):
                     key = f"{lay.expert_name(i, pr)}.weight"
                     left, right = (p_in[i], p_out[i]) if lay.transposed else (p_out[i], p_in[i])
@@ -124,8 +132,8 @@ def test_projected_equals_projected_exact(family, padded_batch):
             w = t.module.weight
             rows, cols = w.shape
             fout, fin = (cols, rows) if t.transposed else (rows, cols)
-            p_in = projection_matrix(f"{t.name}/in", p, fin, seed).double()  # fp64 reference: 8k-term sums
-            p_out = projection_matrix(f"{t.name}/out", p, fout, seed).double()
+            p_in = side_matrix(f"{t.name}/in", p, fin, seed).double()  # fp64 reference: 8k-term sums
+            p_out = side_matrix(f"{t.name}/out", p, fout, seed).double()
             left, right = (p_in, p_out) if t.transposed else (p_out, p_in)
             key = f"{t.name}.weight"
             expected = left @ exact[key].double() @ right.T

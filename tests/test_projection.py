@@ -11,6 +11,7 @@ import torch
 import moe_attrib as ma
 from moe_attrib import projection as pj
 from moe_attrib.score import ScoreError, precondition_queries
+from moe_attrib.zoo import tiny_model
 from tests.test_pipeline import examples, model  # noqa: F401  (fixture)
 
 M32 = 0xFFFFFFFF
@@ -131,7 +132,7 @@ def test_legacy_index_keeps_scoring_with_its_own_projection(model, tmp_path):  #
                           rtol=1e-4, atol=1e-6)  # fmt: skip
     ek_new = ma.fit_ekfac(model, ex, projection_dim=8, seed=1, progress=False)
     assert ek_new.settings["projection"] == pj.PROJECTION
-    with pytest.raises(ScoreError, match="fitted with projection 'rademacher-hash-v1' but the index uses 'gaussian"):
+    with pytest.raises(ScoreError, match=f"fitted with projection '{pj.PROJECTION}' but the index uses 'gaussian"):
         precondition_queries(q, old.blocks, ek_new, old.manifest["settings"])
     ek_old = ma.fit_ekfac(model, ex, projection_dim=8, seed=1, projection=pj.LEGACY_PROJECTION, progress=False)
     ek_old.save(tmp_path / "ek")
@@ -141,3 +142,141 @@ def test_legacy_index_keeps_scoring_with_its_own_projection(model, tmp_path):  #
     loaded = ma.load_ekfac(tmp_path / "ek")
     assert loaded.projection == pj.LEGACY_PROJECTION
     assert torch.isfinite(precondition_queries(q, old.blocks, loaded, old.manifest["settings"])).all()
+
+
+# -- rademacher-hash-v2: sides no wider than p are kept exact ------------------------------------------------------
+
+
+def side(name: str, p: int, features: int, seed: int, kind: str, batch: int | None = None) -> torch.Tensor:
+    """Each kind's rule, stated here: v2 keeps a side of width <= p (identity), every other side is projected."""
+    if kind == pj.PROJECTION and features <= p:
+        eye = torch.eye(features, dtype=torch.float64)
+        return eye if batch is None else eye.expand(batch, features, features)
+    return pj.projection_matrix(name, p, features, seed, batch, kind=kind).double()
+
+
+def by_hand(exact: dict, report, p: int, seed: int, kind: str) -> dict[str, tuple[torch.Tensor, bool, bool]]:
+    """Every exact per-example block projected by hand: key -> (float64 [N, ...], out side kept, in side kept)."""
+    out = {}
+    for t in report.targets:
+        if t.kind == "experts":
+            lay = t.layout
+            for pr in lay.projections:
+                fin, fout = lay.features(pr)
+                p_in = side(f"{lay.name}.{pr}/in", p, fin, seed, kind, lay.num_experts)
+                p_out = side(f"{lay.name}.{pr}/out", p, fout, seed, kind, lay.num_experts)
+                for i in range(lay.num_experts):
+                    left, right = (p_in[i], p_out[i]) if lay.transposed else (p_out[i], p_in[i])
+                    name = lay.expert_name(i, pr)
+                    kept = (fout <= p and kind == pj.PROJECTION, fin <= p and kind == pj.PROJECTION)
+                    out[f"{name}.weight"] = (left @ exact[f"{name}.weight"].double() @ right.T, *kept)
+                    if lay.has_bias:
+                        out[f"{name}.bias"] = (exact[f"{name}.bias"].double() @ p_out[i].T, kept[0], kept[0])
+            continue
+        rows, cols = t.module.weight.shape
+        fout, fin = (cols, rows) if t.transposed else (rows, cols)
+        p_in, p_out = side(f"{t.name}/in", p, fin, seed, kind), side(f"{t.name}/out", p, fout, seed, kind)
+        left, right = (p_in, p_out) if t.transposed else (p_out, p_in)
+        kept = (fout <= p and kind == pj.PROJECTION, fin <= p and kind == pj.PROJECTION)
+        out[f"{t.name}.weight"] = (left @ exact[f"{t.name}.weight"].double() @ right.T, *kept)
+        if t.module._parameters.get("bias") is not None:
+            out[f"{t.name}.bias"] = (exact[f"{t.name}.bias"].double() @ p_out.T, kept[0], kept[0])
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_v2_keeps_narrow_sides_exact(family, padded_batch):
+    """Per-example gradients under v2 against exact (autograd-checked) gradients with the wide sides
+    projected by hand: a kept side is bitwise the exact gradient's, blocks are min(out, p) x min(in, p)."""
+    ids, mask = padded_batch
+    net = tiny_model(family)
+    exact = ma.per_example_gradients(net, ids, mask)
+    report = ma.discover(net)
+    seen = {"both kept": 0, "one kept": 0, "none kept": 0}
+    for p in (16, 64):
+        got = ma.per_example_gradients(net, ids, mask, projection_dim=p, seed=5)
+        want = by_hand(exact, report, p, 5, pj.PROJECTION)
+        assert set(got) == set(want)
+        for key, (expected, out_kept, in_kept) in want.items():
+            assert got[key].shape == expected.shape, key
+            if out_kept and in_kept:
+                assert torch.equal(got[key], exact[key]), key
+            assert torch.allclose(got[key].double(), expected, rtol=1e-4, atol=1e-5), key
+            if key.endswith(".weight"):
+                seen["both kept" if out_kept and in_kept else "one kept" if out_kept or in_kept else "none kept"] += 1
+    router = "model.layers.0.mlp.router" if family == "gpt_oss" else "model.layers.0.mlp.gate"
+    assert got[f"{router}.weight"].shape[1:] == (8, 64)  # 8 experts and hidden 64, both <= p = 64
+    assert min(seen.values()) > 0, seen
+
+
+def test_v2_index_rows_by_hand_and_v1_index_unchanged(model, tmp_path):  # noqa: F811
+    """Index rows of both Rademacher kinds against exact gradients projected by hand (v1: every side to p,
+    the router's 8 experts expanded to p = 16); each scores its own query rows; a mixed EK-FAC is refused."""
+    from moe_attrib.checks import UsageError, check_ekfac_dirs
+    from moe_attrib.data import collate, labels_for
+
+    ex, p = examples(6), 16
+    ids, mask = collate(ex, list(range(6)))
+    exact = ma.per_example_gradients(model, ids, mask, labels_for(ex, list(range(6)), ids, mask))
+    report = ma.discover(model)
+    index = {}
+    for kind in (pj.PROJECTION, pj.PROJECTION_V1):
+        path = ma.build_index(model, ex, tmp_path / kind, projection_dim=p, seed=4, token_batch_size=64,
+                              projection=kind, progress=False)  # fmt: skip
+        index[kind] = idx = ma.load_index(path)
+        assert idx.manifest["settings"]["projection"] == kind
+        rows = torch.from_numpy(np.array(idx.gradients)).double()
+        want = by_hand(exact, report, p, 4, kind)
+        assert {b.name for b in idx.blocks} == set(want)
+        for b in idx.blocks:
+            expected = want[b.name][0]
+            assert tuple(b.shape) == tuple(expected.shape[1:]), (kind, b.name)
+            assert torch.allclose(rows[:, b.start : b.stop], expected.reshape(6, -1), rtol=1e-4, atol=1e-5), b.name
+        router = next(b for b in idx.blocks if b.name == "model.layers.1.mlp.gate.weight")
+        assert tuple(router.shape) == ((8, p) if kind == pj.PROJECTION else (p, p))
+        q = ma.query_gradients(model, ex[:3], idx)
+        assert torch.allclose(q, rows[:3].float(), rtol=1e-4, atol=1e-6)
+    assert index[pj.PROJECTION].blocks[-1].stop < index[pj.PROJECTION_V1].blocks[-1].stop
+    ek = ma.fit_ekfac(model, ex, projection_dim=p, seed=4, progress=False)  # the default kind: v2
+    ek.save(tmp_path / "ek")
+    old = index[pj.PROJECTION_V1]
+    mixed = "fitted with projection 'rademacher-hash-v2' but the index uses 'rademacher-hash-v1'"
+    with pytest.raises(ScoreError, match=mixed):
+        precondition_queries(ma.query_gradients(model, ex[:2], old), old.blocks, ek, old.manifest["settings"])
+    with pytest.raises(UsageError, match="--ekfac .*ek: fitted with projection 'rademacher-hash-v2' but the index"):
+        check_ekfac_dirs([str(tmp_path / "ek")], old.manifest["settings"], str(old.path))
+    new = index[pj.PROJECTION]
+    check_ekfac_dirs([str(tmp_path / "ek")], new.manifest["settings"], str(new.path))  # same kind: accepted
+
+
+def test_v2_ekfac_factors_are_covariances_of_partly_projected_rows(model):  # noqa: F811
+    """EK-FAC fitted under v2 (p = 32): a kept side's covariance is the exact one, a wide side's is P C P^T,
+    and the corrected eigenvalues are the brute-force mean squares of the by-hand projected gradients."""
+    from moe_attrib.data import collate, labels_for
+
+    ex, p, seed = examples(8), 32, 6
+    kw = dict(token_batch_size=1000, progress=False, sampled_labels=False)
+    full = ma.fit_ekfac(model, ex, **kw)
+    proj = ma.fit_ekfac(model, ex, projection_dim=p, seed=seed, **kw)
+    assert proj.settings["projection"] == pj.PROJECTION
+    router, down = "model.layers.0.mlp.gate", "model.layers.1.mlp.experts.down_proj"  # router [8, 64]; down [64, 32]
+    p_in = side(f"{router}/in", p, 64, seed, pj.PROJECTION)
+    assert torch.allclose(proj.factors[router].G, full.factors[router].G, rtol=1e-10, atol=1e-12)  # 8 experts: kept
+    assert torch.allclose(proj.factors[router].A, p_in @ full.factors[router].A @ p_in.T, rtol=1e-5, atol=1e-6)
+    p_out = side(f"{down}/out", p, 64, seed, pj.PROJECTION, batch=8)
+    assert torch.allclose(proj.factors[down].A, full.factors[down].A, rtol=1e-10, atol=1e-12)  # width 32: kept
+    projected = p_out @ full.factors[down].G @ p_out.transpose(1, 2)
+    assert torch.allclose(proj.factors[down].G, projected, rtol=1e-5, atol=1e-8)
+    assert proj.factors[router].A.shape == (p, p) and proj.factors[router].G.shape == (8, 8)
+    ids, mask = collate(ex, list(range(8)))
+    exact = ma.per_example_gradients(model, ids, mask, labels_for(ex, list(range(8)), ids, mask))
+    want = by_hand(exact, ma.discover(model), p, seed, pj.PROJECTION)
+    f = proj.factors[router]
+    qr, qc = f.rows_cols
+    lam = ((qr.T @ want[f"{router}.weight"][0] @ qc) ** 2).mean(dim=0)
+    assert torch.allclose(f.lam, lam, rtol=1e-5, atol=1e-12)
+    f = proj.factors[down]
+    qr, qc = f.rows_cols
+    w = torch.stack([want[f"model.layers.1.mlp.experts.expert_{i}.down_proj.weight"][0] for i in range(8)], dim=1)
+    lam = ((qr.transpose(-1, -2) @ w @ qc) ** 2).mean(dim=0)
+    assert torch.allclose(f.lam, lam, rtol=1e-5, atol=1e-12)
