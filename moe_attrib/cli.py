@@ -96,8 +96,13 @@ def print_sharding_plan(args: argparse.Namespace, model, dist, factors: bool = F
     if not dist.fsdp or not dist.is_main:
         return
     from moe_attrib.plan import format_memory_plan, memory_plan
+    from moe_attrib.projection import PROJECTION
 
-    plan = memory_plan(model, dist.world, args.token_batch_size, projection(args), args.track_moe_experts, factors)
+    kind = getattr(args, "projection_kind", PROJECTION)
+    plan = memory_plan(
+        model, dist.world, args.token_batch_size, projection(args), args.track_moe_experts, factors, kind,
+        args.recompute_layers,
+    )  # fmt: skip
     print(format_memory_plan(plan), flush=True)
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from moe_attrib.discovery import discover
 from moe_attrib.ekfac import memory_plan as factor_plan
+from moe_attrib.projection import PROJECTION, side_width
 from moe_attrib.sharding import decoder_layers, is_dtensor
 
 
@@ -23,10 +24,13 @@ def memory_plan(
     projection_dim: int | None,
     track_moe_experts: bool = True,
     factors: bool = False,
+    projection: str = PROJECTION,
+    recompute: bool = False,
 ) -> dict[str, int]:
     """Bytes per rank of a sharded collection run: parameter shards, the gathered layers, activations
-    kept for the backward (an estimate from the config), the routed grid's capture rows and, for EK-FAC,
-    the float64 factors (whole on every rank: they are all-reduced)."""
+    kept for the backward (an estimate from the config; with `recompute`, each layer's input plus one
+    layer's activations), the routed grid's capture rows (for the projection kind `projection`) and,
+    for EK-FAC, the float64 factors (whole on every rank: they are all-reduced)."""
 
     def nbytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
@@ -43,15 +47,24 @@ def memory_plan(
     plan = {
         "parameters (this rank's shard)": sum(nbytes(p) for p in params),
         "gathered layers (2 at a time)": 2 * layer,
-        "activations (estimate)": token_batch_size * layers * (12 * hidden + 3 * top_k * inter) * size,
+        "activations (estimate)": token_batch_size
+        * (12 * hidden + 3 * top_k * inter)
+        * size
+        * (1 if recompute else layers)
+        + (token_batch_size * layers * hidden * size if recompute else 0),
         "routed grid rows": 0,
         "EK-FAC factors (float64)": 0,
     }
     for lay in report.experts if track_moe_experts else []:
-        width = sum(sum(lay.features(p)) if projection_dim is None else 2 * projection_dim for p in lay.projections)
+        width = sum(
+            sum(lay.features(p))
+            if projection_dim is None
+            else sum(side_width(projection, f, projection_dim) for f in lay.features(p))
+            for p in lay.projections
+        )
         plan["routed grid rows"] += token_batch_size * top_k * width * 4
     if factors:
-        plan["EK-FAC factors (float64)"] = factor_plan(report, projection_dim)["total"]
+        plan["EK-FAC factors (float64)"] = factor_plan(report, projection_dim, projection=projection)["total"]
     plan["world"] = world
     return plan
 

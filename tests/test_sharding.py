@@ -156,3 +156,24 @@ def test_fsdp_needs_torchrun(tmp_path):
     )  # fmt: skip
     assert res.returncode == 2 and "--fsdp shards the model over the ranks of a torchrun launch" in res.stderr
     assert not (tmp_path / "i").exists()
+
+
+def test_memory_plan_follows_the_projection_kind_and_recompute():
+    """The plan's routed rows by hand (tiny qwen3_moe: hidden 64, expert width 32, top-2, 2 layers):
+    at p=48 the default kind keeps the 32-wide sides exact, v1 projects every side to 48; with
+    `recompute` the activations are one layer's plus each layer's input."""
+    from moe_attrib.plan import memory_plan
+    from moe_attrib.projection import PROJECTION_V1
+    from moe_attrib.zoo import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    tokens, p, k, layers = 1000, 48, 2, 2
+    v2 = memory_plan(model, 1, tokens, p)
+    v1 = memory_plan(model, 1, tokens, p, projection=PROJECTION_V1)
+    # gate_up: in 64 -> p, out 64 -> p; down: in 32 (kept), out 64 -> p
+    assert v2["routed grid rows"] == layers * tokens * k * 4 * ((p + p) + (32 + p))
+    assert v1["routed grid rows"] == layers * tokens * k * 4 * 4 * p
+    full = memory_plan(model, 1, tokens, p)["activations (estimate)"]
+    kept = memory_plan(model, 1, tokens, p, recompute=True)["activations (estimate)"]
+    size = next(model.parameters()).element_size()
+    assert kept == full // layers + tokens * layers * 64 * size
