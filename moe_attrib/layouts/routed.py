@@ -51,18 +51,34 @@ class RoutedGather(torch.autograd.Function):
 
 
 class RoutedCombine(torch.autograd.Function):
-    """Sum of each token's k routed rows (the adjoint of `RoutedGather`): a gather and a sum forward,
-    a gather backward; no atomics, so the forward is deterministic."""
+    """Each token's routed rows weighted by its routing weights and summed: `sum_j w[t, j] rows[slot(t, j)]`.
+
+    One gather of the rows into slot order and one batched `[1, k] @ [k, H]` product per token, where
+    a multiply, a gather and a sum each read the rows once more; the backward is two batched
+    products and a gather back to expert order. No atomics, so the forward is deterministic
+    (recomputation relies on it). The adjoint of `RoutedGather`'s row placement.
+    """
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(token)
-        return rows.index_select(0, inverse).view(-1, k, rows.shape[-1]).sum(dim=1)
+    def forward(
+        ctx, rows: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor, perm: torch.Tensor
+    ) -> torch.Tensor:
+        tokens, k = weights.shape
+        dtype = torch.promote_types(rows.dtype, weights.dtype)
+        slots = rows.index_select(0, inverse).to(dtype).view(tokens, k, rows.shape[-1])
+        w = weights.to(dtype)
+        ctx.save_for_backward(slots, w, perm)
+        ctx.dtypes = (rows.dtype, weights.dtype)
+        return torch.bmm(w.unsqueeze(1), slots).squeeze(1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (token,) = ctx.saved_tensors
-        return grad.index_select(0, token), None, None, None
+        slots, w, perm = ctx.saved_tensors
+        rows_dtype, weights_dtype = ctx.dtypes
+        grad = grad.to(slots.dtype)
+        grad_weights = torch.bmm(slots, grad.unsqueeze(-1)).squeeze(-1).to(weights_dtype)
+        grad_slots = (w.unsqueeze(-1) * grad.unsqueeze(1)).view(-1, slots.shape[-1])
+        return grad_slots.index_select(0, perm).to(rows_dtype), grad_weights, None, None
 
 
 def _linear_rows(
@@ -128,8 +144,7 @@ def grouped_experts_forward(
         out = module.post_expert_norm(out)
     if identity is not None:
         out = torch.where(identity, xs.to(out.dtype), out.masked_fill(identity, 0.0))
-    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-    final = RoutedCombine.apply(out, rows.token, inverse, k)
+    final = RoutedCombine.apply(out, top_k_weights.reshape(num_tokens, k), inverse, perm)
     return final.to(hidden_states.dtype).reshape(*shape[:-1], final.shape[-1])
 
 
