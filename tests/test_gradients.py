@@ -213,3 +213,39 @@ def test_bf16_gradients_close_to_fp32(padded_batch):
     errs = [rel_err(low[k], ref[k]) for k in ref if ref[k].norm() > 0]
     assert all(v.dtype == torch.float32 for v in low.values())
     assert float(torch.tensor(errs).median()) < 0.05, max(errs)
+
+
+def test_silu_gate_keeps_only_gate_up_and_matches_eager_bitwise():
+    """The experts' SiLU gate keeps only the gate_up rows for the backward (eager autograd also keeps
+    silu(gate)), with the same forward and input gradient, bit for bit."""
+    import torch.nn.functional as F
+
+    from moe_attrib.layouts.routed import SiluGate
+
+    def kept_bytes(fn, x):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fn(x)
+        return y, sum(storages.values())
+
+    x = torch.randn(40, 16, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(40, 8, dtype=torch.bfloat16)
+
+    def eager(t):
+        gate, up = t.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    outs, grads, kept = [], [], []
+    for fn in (SiluGate.apply, eager):
+        y, nbytes = kept_bytes(fn, x)
+        (grad,) = torch.autograd.grad(y, x, g)
+        outs.append(y)
+        grads.append(grad)
+        kept.append(nbytes)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
+    assert kept[0] == x.numel() * x.element_size() and kept[1] == kept[0] * 3 // 2, kept

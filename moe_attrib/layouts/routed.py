@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moe_attrib.layouts.base import ExpertsLayout, LayoutFamily, RoutedRows, RowSink, register_layout
@@ -93,7 +94,34 @@ def _linear_rows(
     return out
 
 
+class SiluGate(torch.autograd.Function):
+    """`silu(gate) * up` of the concatenated `[rows, 2I]` gate_up rows, keeping only gate_up for the
+    backward: eager autograd also keeps `silu(gate)` (`[rows, I]` more per layer). The same kernels in
+    the same order (`silu`, `mul`, `silu_backward`), so the same bits, for one more `silu` in the backward."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], dim=-1)
+
+
+def _default_silu_gate(module: nn.Module) -> bool:
+    """transformers' default gate (`act_fn(gate) * up` on chunked halves) with a SiLU activation."""
+    gate = getattr(type(module), "_apply_gate", None)
+    act = type(getattr(module, "act_fn", None)).__name__
+    return (gate is None or gate.__name__ == "_default_apply_gate") and act in ("SiLUActivation", "SiLU")
+
+
 def _apply_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    if _default_silu_gate(module):
+        return SiluGate.apply(gate_up)
     if hasattr(module, "_apply_gate"):
         return module._apply_gate(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
