@@ -1,0 +1,121 @@
+"""LDS of module-group combinations and damping choices, on the cached LDS configurations.
+
+`benchmarks/lds.py` scores each module group alone; this asks which *combinations* rank best and
+whether a different damping would make the whole model win everywhere. It reads the caches
+`lds.py` left (subset losses and the full model; run `python benchmarks/lds.py --config NAME`
+first), builds exact rows and EK-FAC factors with the library's defaults, and prints, per
+configuration, each variant's LDS with the paired bootstrap CI of its difference to the whole
+model ("this - all": positive means the variant is better) and the per-domain LDS:
+
+    python benchmarks/lds_groups.py cpu cpu-gpt_oss cpu-shared cpu-deep
+
+A combination is scored as the cosine over the concatenated blocks of its groups (what
+`score --modules` does for one group), after EK-FAC preconditioning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import lds  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import moe_attrib as ma  # noqa: E402
+from moe_attrib.data import load_examples  # noqa: E402
+
+COMBOS = [
+    ("lm_head",),
+    ("experts",),
+    ("attention",),
+    ("experts", "lm_head"),
+    ("experts", "routers", "lm_head"),
+    ("attention", "lm_head"),
+]
+DAMPINGS = [(0.1, "module"), (1.0, "module"), (0.01, "model"), (0.1, "model")]
+
+
+def cache_dir(name: str, root: Path) -> Path:
+    """The directory `lds.py --config name` caches into (the same key)."""
+    fields = asdict(lds.CONFIGS[name])
+    if fields["family"] == "qwen3_moe":
+        del fields["family"]
+    if not fields["shared_vocab"]:
+        del fields["shared_vocab"]
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    return root / f"lds-{name}-{key}"
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=1, keepdims=True).clip(1e-30)
+
+
+def run(name: str, root: Path) -> dict[str, np.ndarray]:
+    c = cache_dir(name, root)
+    if not (c / "subset_losses.npz").exists():
+        raise SystemExit(f"{c}: no cached subset losses; run `python benchmarks/lds.py --config {name}` first")
+    saved = np.load(c / "subset_losses.npz")
+    subsets, losses = saved["subsets"], saved["losses"]
+    tokenizer = AutoTokenizer.from_pretrained(c / "full-model")
+    model = AutoModelForCausalLM.from_pretrained(c / "full-model").eval()
+    examples = load_examples(str(c / "train.jsonl"), tokenizer)
+    queries = load_examples(str(c / "queries.jsonl"), tokenizer)
+    groups = lds.groups(model)
+    out: dict[str, np.ndarray] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ma.build_index(model, examples, Path(tmp) / "index", projection_dim=None, progress=False)
+        index = ma.load_index(Path(tmp) / "index")
+        q = ma.query_gradients(model, queries, index)
+        ek = ma.fit_ekfac(model, examples, projection_dim=None, progress=False)
+        rows = np.asarray(index.gradients).astype(np.float64)
+
+        def cosine(pre: np.ndarray, names: tuple[str, ...]) -> np.ndarray:
+            globs = [groups[g] for g in names] if names else ["*"]
+            cols = [np.arange(b.start, b.stop) for b in index.blocks if any(fnmatch.fnmatch(b.name, g) for g in globs)]
+            cols = np.concatenate(cols)
+            return unit(pre[:, cols]) @ unit(rows[:, cols]).T
+
+        pre = ma.prepare_queries(index, q, ekfac=ek).double().numpy()
+        out["all (the default, exact rows)"] = lds.per_query_lds(cosine(pre, ()), subsets, losses)
+        for names in COMBOS:
+            out[" + ".join(names)] = lds.per_query_lds(cosine(pre, names), subsets, losses)
+        for damping, scope in DAMPINGS:
+            pre = ma.prepare_queries(index, q, ekfac=ek.with_damping(damping, scope)).double().numpy()
+            for names in ((), ("lm_head",)):
+                label = f"{' + '.join(names) or 'all'}, damping {damping:g} x mean over {scope}"
+                out[label] = lds.per_query_lds(cosine(pre, names), subsets, losses)
+    domains = [json.loads(line)["domain"] for line in (c / "queries.jsonl").read_text().splitlines()]
+    base = next(iter(out.values()))
+    print(f"== {name} ({len(queries)} queries, {len(subsets)} subset models)")
+    for label, values in out.items():
+        lo, hi = lds.bootstrap(values - base)
+        per = " ".join(
+            f"{d}={np.mean([v for v, dd in zip(values, domains, strict=True) if dd == d]):.3f}"
+            for d in sorted(set(domains))
+        )
+        print(f"  {label:44s} {values.mean():.3f}  this - all [{lo:+.3f}, {hi:+.3f}]  {per}", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="+", choices=sorted(lds.CONFIGS))
+    parser.add_argument("--cache", default=str(lds.ROOT / "benchmarks" / ".cache"))
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    for name in args.configs:
+        run(name, Path(args.cache))
+
+
+if __name__ == "__main__":
+    main()
