@@ -130,16 +130,17 @@ def make_model(cfg: Config, vocab: int, device: str):
     ).to(device)
 
 
-def train(cfg: Config, examples, subset: np.ndarray, order_seed: int, vocab: int, device: str):
+def train(cfg: Config, examples, subset: np.ndarray, order_seed: int, vocab: int, device: str, on_epoch=None):
     """A model trained from the shared initial weights on `examples[subset]`: AdamW, `epochs` passes,
-    learning rate decayed linearly to 0 (so the last batches' order matters little)."""
+    learning rate decayed linearly to 0 (so the last batches' order matters little). `on_epoch(epoch,
+    model)` is called after each pass (1-based), e.g. to keep checkpoints."""
     model = make_model(cfg, vocab, device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     rng = random.Random(order_seed)
     rows = [int(i) for i in np.flatnonzero(subset)]
     steps = cfg.epochs * -(-len(rows) // cfg.batch)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / steps)
-    for _ in range(cfg.epochs):
+    for epoch in range(cfg.epochs):
         rng.shuffle(rows)
         for start in range(0, len(rows), cfg.batch):
             batch = rows[start : start + cfg.batch]
@@ -152,6 +153,8 @@ def train(cfg: Config, examples, subset: np.ndarray, order_seed: int, vocab: int
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+        if on_epoch is not None:
+            on_epoch(epoch + 1, model)
     return model.eval(), opt
 
 

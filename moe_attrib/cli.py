@@ -313,8 +313,9 @@ def training_examples(settings: dict, tokenizer, text_field: str) -> list:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from moe_attrib.data import DataError, check_token_ids, load_examples
+    from moe_attrib.data import DataError, check_token_ids, fingerprint, load_examples
     from moe_attrib.ekfac import load_ekfac
+    from moe_attrib.ensemble import matrix_info, write_info
     from moe_attrib.fingerprint import FingerprintError, check_model
     from moe_attrib.index import IndexFileError, load_index
     from moe_attrib.results import results_format, write_results
@@ -328,6 +329,14 @@ def cmd_score(args: argparse.Namespace) -> int:
         for flag, path in (("--all_scores", args.all_scores), ("--report", args.report)):
             if path:
                 check_out_file(path, flag)
+        for path in args.average_with or []:
+            if not Path(path).is_file() or not Path(path + ".json").is_file():
+                raise UsageError(
+                    f"--average_with {path}: needs the matrix and its {Path(path).name}.json beside it, as "
+                    "`moe-attrib score ... --all_scores FILE` writes them."
+                )
+            if args.all_scores and Path(path).resolve() == Path(args.all_scores).resolve():
+                raise UsageError(f"--all_scores {args.all_scores} is also given to --average_with.")
         index = load_index(args.index)
         settings = index.manifest["settings"]
         ekfac_dirs = args.ekfac or []
@@ -362,9 +371,15 @@ def cmd_score(args: argparse.Namespace) -> int:
             damping = ekfac.settings.get("damping") if args.damping is None else args.damping
             ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
         opts = dict(ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules, device=device)
-        result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
+        own = matrix_info(index, fingerprint(queries), len(queries), args.unit_normalize, args.modules, bool(ekfac))
+        if args.average_with:
+            result = averaged_scores(args, index, q, own, opts)
+        else:
+            result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
+            if args.all_scores:
+                score_matrix(index, q, out=args.all_scores, **opts)
         if args.all_scores:
-            score_matrix(index, q, out=args.all_scores, **opts)
+            write_info(args.all_scores, own)
     except (DataError, IndexFileError, ScoreError, FingerprintError, UsageError, FileNotFoundError, ValueError) as err:
         print(f"moe-attrib score: error: {err}", file=sys.stderr)
         return 2
@@ -382,6 +397,24 @@ def cmd_score(args: argparse.Namespace) -> int:
 
         print(f"report written to {write_report(records, index, args.report)}")
     return 0
+
+
+def averaged_scores(args: argparse.Namespace, index, q, own: dict, opts: dict):
+    """`score --average_with`: top-k of the mean of this run's score matrix and the given ones (other
+    checkpoints'); per-module parts, if asked, are this checkpoint's part of each averaged hit."""
+    import tempfile
+
+    from moe_attrib.ensemble import load_matrices, mean_top_k
+    from moe_attrib.score import Scores, hit_parts, score_matrix
+
+    others = load_matrices(args.average_with, own)
+    with tempfile.TemporaryDirectory(prefix="moe-attrib-scores-") as tmp:
+        mine = score_matrix(index, q, out=args.all_scores or Path(tmp) / "scores.npy", progress=True, **opts)
+        values, rows = mean_top_k([mine, *others], args.top_k)
+        del mine
+    parts = hit_parts(index, q, rows, **opts) if args.per_module else None
+    print(f"ranked by the mean of {len(others) + 1} score matrices (this run's and --average_with's)")
+    return Scores(values, rows, parts)
 
 
 def result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, result) -> list[dict]:
@@ -638,7 +671,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--modules", default=None, help="score through the blocks matching this glob only, e.g. '*.experts.*'"
     )
     add_damping_args(sc, override=True)
-    sc.add_argument("--all_scores", default=None, help="also write every score, a [queries, rows] .npy matrix")
+    sc.add_argument(
+        "--all_scores",
+        default=None,
+        help="also write every score, a [queries, rows] .npy matrix (and FILE.json: what it scores)",
+    )
+    sc.add_argument(
+        "--average_with",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="rank by the mean of this run's scores and these --all_scores matrices of other checkpoints "
+        "(same data and queries): docs/scoring.md",
+    )
     sc.add_argument("--top_k", type=positive_int, default=10)
     sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")
     sc.add_argument("--text_field", default="text", help="text field of the queries (the index records its own)")

@@ -207,7 +207,6 @@ def score(
     """
     device = _device(device)
     q = prepare_queries(index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules).to(device)
-    blocks = index.blocks
     k = min(top_k, index.gradients.shape[0])
     best_v = torch.full((q.shape[0], k), -torch.inf, device=device)
     best_i = torch.zeros((q.shape[0], k), dtype=torch.long, device=device)
@@ -219,17 +218,37 @@ def score(
         idx = torch.cat([best_i, torch.arange(start, start + rows.shape[0], device=device).expand(q.shape[0], -1)], 1)
         best_v, best_i = v, idx.gather(1, i)
     best_v = best_v.masked_fill(best_v == UNDEFINED, torch.nan)
-    parts = None
-    if per_module:
-        hit_rows = np.sort(np.unique(best_i.cpu().numpy()))
-        hits = torch.from_numpy(index.read_rows(hit_rows)).to(device)
-        lookup = {int(r): n for n, r in enumerate(hit_rows)}
-        rows = hits[[lookup[int(r)] for r in best_i.reshape(-1)]].view(*best_i.shape, -1)
-        mask = module_columns(blocks, modules)
-        rows = _as_scored(rows, None if mask is None else mask.to(device), unit_normalize)
-        prod = rows * q.unsqueeze(1)
-        parts = torch.stack([prod[..., b.start : b.stop].sum(-1) for b in blocks], dim=-1).cpu().numpy()
+    parts = _parts(index, q, best_i, unit_normalize, modules, device) if per_module else None
     return Scores(best_v.cpu().numpy(), best_i.cpu().numpy(), parts)
+
+
+def _parts(index: Index, q: torch.Tensor, hit: torch.Tensor, unit_normalize: bool, modules: str | None, device):
+    """Per-block parts `[Q, k, blocks]` of prepared queries `q` against index rows `hit` `[Q, k]`."""
+    hit_rows = np.sort(np.unique(hit.cpu().numpy()))
+    hits = torch.from_numpy(index.read_rows(hit_rows)).to(device)
+    lookup = {int(r): n for n, r in enumerate(hit_rows)}
+    rows = hits[[lookup[int(r)] for r in hit.reshape(-1)]].view(*hit.shape, -1)
+    mask = module_columns(index.blocks, modules)
+    rows = _as_scored(rows, None if mask is None else mask.to(device), unit_normalize)
+    prod = rows * q.unsqueeze(1)
+    return torch.stack([prod[..., b.start : b.stop].sum(-1) for b in index.blocks], dim=-1).cpu().numpy()
+
+
+def hit_parts(
+    index: Index,
+    queries: torch.Tensor | np.ndarray,
+    rows: np.ndarray,
+    *,
+    ekfac: EKFAC | None = None,
+    unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
+    modules: str | None = None,
+    device: str | torch.device | None = None,
+) -> np.ndarray:
+    """Per-block parts `[Q, k, blocks]` of each query's score against the index rows `rows` `[Q, k]`
+    (what `score(per_module=True)` gives for its own top-k rows), e.g. for rows ranked elsewhere."""
+    device = _device(device)
+    q = prepare_queries(index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules).to(device)
+    return _parts(index, q, torch.as_tensor(np.asarray(rows), device=device), unit_normalize, modules, device)
 
 
 def score_matrix(

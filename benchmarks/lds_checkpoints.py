@@ -1,0 +1,111 @@
+"""LDS of scores averaged over training checkpoints (TracIn-CP / ensemble style), on the cached configurations.
+
+The largest LDS gains in the literature come from averaging attribution scores over several models
+(TRAK's ensembles) or over checkpoints along one training run (TracIn-CP, SOURCE). This measures
+what averaging over checkpoints of the full-data model does here, for the default pipeline and for
+`lm_head` alone: the full model is trained again from the shared initial weights with the same
+data order (`lds.train`), keeping the weights after epochs `--epochs`; each checkpoint gets its own
+index, EK-FAC factors and query gradients (the library's defaults), and the score matrices (cosines)
+are averaged. Reads the caches `lds.py` left (run `python benchmarks/lds.py --config NAME` first):
+
+    python benchmarks/lds_checkpoints.py cpu cpu-gpt_oss cpu-shared cpu-deep
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import lds  # noqa: E402
+from lds_groups import cache_dir  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+import moe_attrib as ma  # noqa: E402
+from moe_attrib.data import load_examples  # noqa: E402
+from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
+
+
+def checkpoint_scores(model, examples, queries, lm_head: str, root: Path) -> dict[str, np.ndarray]:
+    """Score matrices `[Q, N]` of one checkpoint: the default pipeline, exact rows, `lm_head` alone (exact)."""
+    out = {}
+    for p in (DEFAULT_PROJECTION_DIM, None):
+        path = root / f"index-{p}"
+        ma.build_index(model, examples, path, projection_dim=p, progress=False, overwrite=True)
+        index = ma.load_index(path)
+        q = ma.query_gradients(model, queries, index)
+        ek = ma.fit_ekfac(model, examples, projection_dim=p, progress=False)
+        name = "default pipeline (p=32)" if p else "exact rows"
+        out[name] = np.asarray(ma.score_matrix(index, q, ekfac=ek, device="cpu"))
+        if p is None:
+            alone = ma.score_matrix(index, q, ekfac=ek, modules=lm_head, device="cpu")
+            out["lm_head alone (exact)"] = np.asarray(alone)
+    return out
+
+
+def run(name: str, root: Path, epochs: list[int]) -> None:
+    cfg = lds.CONFIGS[name]
+    c = cache_dir(name, root)
+    if not (c / "subset_losses.npz").exists():
+        raise SystemExit(f"{c}: no cached subset losses; run `python benchmarks/lds.py --config {name}` first")
+    saved = np.load(c / "subset_losses.npz")
+    subsets, losses = saved["subsets"], saved["losses"]
+    tokenizer = AutoTokenizer.from_pretrained(c / "full-model")
+    examples = load_examples(str(c / "train.jsonl"), tokenizer)
+    queries = load_examples(str(c / "queries.jsonl"), tokenizer)
+    kept: dict[int, torch.nn.Module] = {}
+
+    def keep(epoch: int, model: torch.nn.Module) -> None:
+        if epoch in epochs:
+            kept[epoch] = copy.deepcopy(model).eval()
+
+    torch.manual_seed(cfg.seed)
+    lds.train(cfg, examples, np.ones(len(examples), bool), 0, len(tokenizer), "cpu", on_epoch=keep)
+    lm_head = lds.groups(kept[epochs[-1]])["lm_head"]
+    per_epoch = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for epoch in epochs:
+            per_epoch[epoch] = checkpoint_scores(kept[epoch], examples, queries, lm_head, Path(tmp))
+    variants: dict[str, np.ndarray] = {}
+    last = epochs[-1]
+    for key in per_epoch[last]:
+        variants[f"{key}, last checkpoint (epoch {last})"] = lds.per_query_lds(per_epoch[last][key], subsets, losses)
+        mean = np.mean([per_epoch[e][key] for e in epochs], axis=0)
+        variants[f"{key}, mean over epochs {epochs}"] = lds.per_query_lds(mean, subsets, losses)
+    base = next(iter(variants.values()))
+    domains = [json.loads(line)["domain"] for line in (c / "queries.jsonl").read_text().splitlines()]
+    print(f"== {name} ({len(queries)} queries, {len(subsets)} subset models)")
+    for label, values in variants.items():
+        lo, hi = lds.bootstrap(values - base)
+        per = " ".join(
+            f"{d}={np.mean([v for v, dd in zip(values, domains, strict=True) if dd == d]):.3f}"
+            for d in sorted(set(domains))
+        )
+        print(f"  {label:62s} {values.mean():.3f}  this - first [{lo:+.3f}, {hi:+.3f}]  {per}", flush=True)
+    ens_default = variants[f"default pipeline (p=32), mean over epochs {epochs}"]
+    ens_lm = variants[f"lm_head alone (exact), mean over epochs {epochs}"]
+    lo, hi = lds.bootstrap(ens_default - ens_lm)
+    diff = ens_default.mean() - ens_lm.mean()
+    print(f"  averaged default - averaged lm_head alone: {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="+", choices=sorted(lds.CONFIGS))
+    parser.add_argument("--cache", default=str(lds.ROOT / "benchmarks" / ".cache"))
+    parser.add_argument("--epochs", default="2,4,6,8,10", help="checkpoints to average (the last is the model)")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    for name in args.configs:
+        run(name, Path(args.cache), [int(e) for e in args.epochs.split(",")])
+
+
+if __name__ == "__main__":
+    main()
