@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import sys
 import warnings
@@ -91,6 +92,32 @@ def load_inputs(args: argparse.Namespace, dist):
     return tokenizer, examples, model, getattr(tokenizer, "pad_token_id", None) or 0
 
 
+def fit_model(args: argparse.Namespace, dist, command: str):
+    """Before loading: does the model fit one device? A local safetensors checkpoint's size (from its
+    headers) against the device's free memory; under torchrun a model that does not fit is sharded
+    (`--fsdp`) automatically, without torchrun the error says how to launch it. Returns the `Dist`."""
+    from moe_attrib.distributed import setup
+    from moe_attrib.loading import checkpoint_numel, device_free_bytes
+    from moe_attrib.plan import choose_sharding
+
+    numel, free = checkpoint_numel(args.model), device_free_bytes(dist.device)
+    if numel is None or free is None:
+        return dist
+    if torch.distributed.is_initialized() and dist.world > 1:  # one decision for every rank: the tightest device
+        least = torch.tensor([free], dtype=torch.int64, device=dist.device)
+        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+        free = int(least.item())
+    size = torch.empty((), dtype=resolve_precision(args.precision, dist.device)).element_size()
+    torchrun = "MASTER_ADDR" in os.environ
+    shard, note = choose_sharding(numel * size, free, dist.world, dist.fsdp, torchrun, command)
+    if shard and not dist.fsdp:
+        if dist.is_main:
+            print(f"moe-attrib {command}: {note}", flush=True)
+        args.fsdp = True
+        dist = setup(args.device, fsdp=True)
+    return dist
+
+
 def print_sharding_plan(args: argparse.Namespace, model, dist, factors: bool = False) -> None:
     """`--fsdp`: the memory plan per rank (parameters, activations, routed grid, factors) before the run."""
     if not dist.fsdp or not dist.is_main:
@@ -143,8 +170,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"moe-attrib build: error: {err}", file=sys.stderr)
         return 2
     try:
-        dist = setup(args.device, fsdp=args.fsdp)
-    except RuntimeError as err:
+        dist = fit_model(args, setup(args.device, fsdp=args.fsdp), "build")
+    except (RuntimeError, UsageError) as err:
         print(f"moe-attrib build: error: {err}", file=sys.stderr)
         return 2
     try:
@@ -237,8 +264,8 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
 
         args.projection_dim = DEFAULT_PROJECTION_DIM
     try:
-        dist = setup(args.device, fsdp=args.fsdp)
-    except RuntimeError as err:
+        dist = fit_model(args, setup(args.device, fsdp=args.fsdp), "ekfac")
+    except (RuntimeError, UsageError) as err:
         print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
         return 2
     try:

@@ -3,6 +3,8 @@ directories and hub ids, and their tokenizers (or a separate `--tokenizer DIR`).
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import torch
@@ -18,6 +20,26 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16 else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def checkpoint_numel(spec: str) -> int | None:
+    """Elements of every tensor of a local safetensors checkpoint, read from the files' headers alone
+    (no weight is read); None where that is not known beforehand (`tiny:`, hub ids, `.bin` files)."""
+    directory = Path(spec)
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    total = 0
+    for path in files:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total if files else None
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device (None for other devices: their memory is not ours to judge)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def load_model(spec: str, dtype: str | torch.dtype = "fp32") -> torch.nn.Module:

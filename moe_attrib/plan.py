@@ -8,9 +8,12 @@ report and EK-FAC's factor sizes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from moe_attrib.checks import UsageError
 from moe_attrib.discovery import discover
 from moe_attrib.ekfac import memory_plan as factor_plan
 from moe_attrib.projection import PROJECTION, side_width
@@ -67,6 +70,34 @@ def memory_plan(
         plan["EK-FAC factors (float64)"] = factor_plan(report, projection_dim, projection=projection)["total"]
     plan["world"] = world
     return plan
+
+
+FIT = 0.9  # weights may take this share of a device's free memory (the rest: activations, rows)
+
+
+def choose_sharding(
+    weights: int, free: int, world: int, fsdp: bool, torchrun: bool, command: str
+) -> tuple[bool, str | None]:
+    """Whether a run must shard its model (FSDP2) to fit: `weights` bytes against `free` bytes of one
+    device, `world` ranks. Returns `(shard, note)`: under torchrun a model that does not fit one device
+    is sharded over the ranks automatically (the note says so); where no sharding over these ranks
+    fits, or without torchrun, a `UsageError` says how many devices the weights need."""
+    need = math.ceil(weights / (FIT * free)) if free > 0 else math.inf
+    gib = f"{weights / 2**30:.1f} GiB of weights, one device has {free / 2**30:.1f} GiB free"
+    if not fsdp and weights <= FIT * free:
+        return False, None
+    if fsdp or torchrun:
+        if need <= world:
+            note = None if fsdp else f"the model needs {gib}: sharding it over the {world} ranks (--fsdp)."
+            return True, note
+        raise UsageError(
+            f"the model needs {gib}: sharded over {world} ranks it still does not fit; launch "
+            f"`torchrun --nproc_per_node {need} -m moe_attrib {command} ... --fsdp` (or more ranks over nodes)."
+        )
+    raise UsageError(
+        f"the model needs {gib}: shard it over {need} GPUs with "
+        f"`torchrun --nproc_per_node {need} -m moe_attrib {command} ... --fsdp` (docs/distributed.md)."
+    )
 
 
 def format_memory_plan(plan: dict[str, int]) -> str:

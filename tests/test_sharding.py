@@ -177,3 +177,38 @@ def test_memory_plan_follows_the_projection_kind_and_recompute():
     kept = memory_plan(model, 1, tokens, p, recompute=True)["activations (estimate)"]
     size = next(model.parameters()).element_size()
     assert kept == full // layers + tokens * layers * 64 * size
+
+
+def test_choose_sharding_by_hand():
+    from moe_attrib.checks import UsageError
+    from moe_attrib.plan import choose_sharding
+
+    assert choose_sharding(80, 100, 1, False, False, "build") == (False, None)  # fits: 80 <= 0.9 x 100
+    with pytest.raises(UsageError, match=r"torchrun --nproc_per_node 3 -m moe_attrib build"):
+        choose_sharding(250, 100, 1, False, False, "build")  # ceil(250 / 90) = 3 GPUs, no torchrun
+    shard, note = choose_sharding(250, 100, 4, False, True, "ekfac")  # torchrun, 4 ranks: shard automatically
+    assert shard and "sharding it over the 4 ranks" in note
+    with pytest.raises(UsageError, match=r"still does not fit; launch `torchrun --nproc_per_node 3"):
+        choose_sharding(250, 100, 2, False, True, "build")
+    assert choose_sharding(250, 100, 4, True, True, "build") == (True, None)  # --fsdp asked and enough
+    assert choose_sharding(10, 100, 1, True, True, "build") == (True, None)  # --fsdp asked, fits anyway
+
+
+def test_build_refuses_a_model_larger_than_the_device_before_any_work(tmp_path, monkeypatch, capsys):
+    """The checkpoint's size from its safetensors headers against the device's free memory (faked:
+    no GPU here), before the model is loaded or anything written."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_attrib import loading
+
+    model_dir = tmp_path / "m"
+    save_tiny(str(model_dir), "qwen3_moe", texts())
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    assert loading.checkpoint_numel(str(model_dir)) == params
+    monkeypatch.setattr(loading, "device_free_bytes", lambda device: params * 4 // 2)  # half the fp32 weights
+    loaded = []
+    monkeypatch.setattr(cli, "load_inputs", lambda *a: loaded.append(1))
+    code = cli.main(["build", str(model_dir), str(CORPUS), "--index", str(tmp_path / "idx"), "--precision", "fp32"])
+    err = capsys.readouterr().err
+    assert code == 2 and "torchrun --nproc_per_node 3 -m moe_attrib build" in err, err
+    assert not loaded and not (tmp_path / "idx").exists() and not (tmp_path / "idx.part").exists()
