@@ -212,3 +212,26 @@ def test_build_refuses_a_model_larger_than_the_device_before_any_work(tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and "torchrun --nproc_per_node 3 -m moe_attrib build" in err, err
     assert not loaded and not (tmp_path / "idx").exists() and not (tmp_path / "idx.part").exists()
+
+
+def test_recompute_layers_under_fsdp_gives_the_plain_gradients(tmp_path):
+    """`--recompute_layers` with `--fsdp` (one gloo rank): the recomputed, sharded layers give the plain
+    model's per-example gradients and leave no parameter gradient."""
+    from moe_attrib.collector import per_example_gradients
+    from moe_attrib.distributed import Dist
+    from moe_attrib.loading import load_model
+    from moe_attrib.sharding import load_sharded
+
+    save_tiny(str(tmp_path), "qwen3_moe", texts(), num_hidden_layers=3)
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9], [4, 3, 9, 8, 2, 6]])
+    want = per_example_gradients(load_model(str(tmp_path), "fp32"), ids, projection_dim=8)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free()}", rank=0, world_size=1)
+    try:
+        sharded = load_sharded(str(tmp_path), torch.float32, Dist(0, 1, torch.device("cpu"), fsdp=True))
+        got = per_example_gradients(sharded, ids, projection_dim=8, recompute=True)
+        assert all(p.grad is None for p in sharded.parameters())
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6 * float(value.abs().max()))
+    finally:
+        torch.distributed.destroy_process_group()
