@@ -330,6 +330,10 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
     for group in GROUPS:
         v[f"exact, {group} alone, EK-FAC"] = att.scores(None, ekfac=ek_exact, group=group, unit=unit0)
         v[f"exact, {group} alone, no preconditioning"] = att.scores(None, group=group, unit=unit0)
+    for group in GROUPS:  # what `score --modules` gives on the default index: like for like with the default
+        v[f"p={p0}, {group} alone, EK-FAC (the default index, --modules)"] = att.scores(
+            p0, ekfac=ek, group=group, unit=unit0
+        )
     for p in ps:
         v[f"projected p={p}, EK-FAC"] = att.scores(p, ekfac=att.ekfac(p), unit=unit0)
     for p in ps:
