@@ -89,6 +89,19 @@ def run(name: str, root: Path) -> dict[str, np.ndarray]:
         out["all (the default, exact rows)"] = lds.per_query_lds(cosine(pre, ()), subsets, losses)
         for names in COMBOS:
             out[" + ".join(names)] = lds.per_query_lds(cosine(pre, names), subsets, losses)
+        # RelatIF (Barshan et al., 2020): each training row divided by its own influence norm
+        # sqrt(g H^-1 g) instead of its plain norm (the default cosine), i.e. a cosine in the H^-1 metric
+        pre_rows = ma.prepare_queries(index, torch.from_numpy(rows).float(), ekfac=ek, unit_normalize=False)
+        pre_rows = pre_rows.double().numpy()
+        for names in ((), ("lm_head",)):
+            globs = [groups[g] for g in names] if names else ["*"]
+            cols = np.concatenate(
+                [np.arange(b.start, b.stop) for b in index.blocks if any(fnmatch.fnmatch(b.name, g) for g in globs)]
+            )
+            self_influence = np.einsum("nd,nd->n", rows[:, cols], pre_rows[:, cols]).clip(1e-30)
+            raw = pre[:, cols] @ rows[:, cols].T
+            label = f"{' + '.join(names) or 'all'}, RelatIF (rows / sqrt(g H^-1 g))"
+            out[label] = lds.per_query_lds(raw / np.sqrt(self_influence), subsets, losses)
         for damping, scope in DAMPINGS:
             pre = ma.prepare_queries(index, q, ekfac=ek.with_damping(damping, scope)).double().numpy()
             for names in ((), ("lm_head",)):
