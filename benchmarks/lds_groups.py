@@ -86,6 +86,12 @@ def run(name: str, root: Path) -> dict[str, np.ndarray]:
             return unit(pre[:, cols]) @ unit(rows[:, cols]).T
 
         pre = ma.prepare_queries(index, q, ekfac=ek).double().numpy()
+        whole = np.abs(pre @ rows.T).sum()
+        for group, glob in groups.items():  # where the whole model's (preconditioned) score comes from
+            cols = [np.arange(b.start, b.stop) for b in index.blocks if fnmatch.fnmatch(b.name, glob)]
+            cols = np.concatenate(cols)
+            share = np.abs(pre[:, cols] @ rows[:, cols].T).sum() / whole
+            print(f"  {name}: {group} carries {share:.2f} of the absolute preconditioned score")
         out["all (the default, exact rows)"] = lds.per_query_lds(cosine(pre, ()), subsets, losses)
         for names in COMBOS:
             out[" + ".join(names)] = lds.per_query_lds(cosine(pre, names), subsets, losses)
