@@ -26,7 +26,15 @@ def checkpoint_numel(spec: str) -> int | None:
     """Elements of every tensor of a local safetensors checkpoint, read from the files' headers alone
     (no weight is read); None where that is not known beforehand (`tiny:`, hub ids, `.bin` files)."""
     directory = Path(spec)
-    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if not directory.is_dir():
+        return None
+    index = directory / "model.safetensors.index.json"
+    if index.exists():  # only the files transformers loads (repos may hold other copies, e.g. consolidated.*)
+        files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+    elif (directory / "model.safetensors").exists():
+        files = [directory / "model.safetensors"]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
     total = 0
     for path in files:
         with open(path, "rb") as f:

@@ -205,6 +205,12 @@ def test_build_refuses_a_model_larger_than_the_device_before_any_work(tmp_path, 
     save_tiny(str(model_dir), "qwen3_moe", texts())
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
     assert loading.checkpoint_numel(str(model_dir)) == params
+    shutil.copy(model_dir / "model.safetensors", model_dir / "consolidated.safetensors")  # another copy: not loaded
+    assert loading.checkpoint_numel(str(model_dir)) == params
+    sharded = tmp_path / "sharded"  # several files and their index
+    AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert loading.checkpoint_numel(str(sharded)) == params
     monkeypatch.setattr(loading, "device_free_bytes", lambda device: params * 4 // 2)  # half the fp32 weights
     loaded = []
     monkeypatch.setattr(cli, "load_inputs", lambda *a: loaded.append(1))
