@@ -54,10 +54,12 @@ class RoutedGather(torch.autograd.Function):
 class RoutedCombine(torch.autograd.Function):
     """Each token's routed rows weighted by its routing weights and summed: `sum_j w[t, j] rows[slot(t, j)]`.
 
-    One gather of the rows into slot order and one batched `[1, k] @ [k, H]` product per token, where
-    a multiply, a gather and a sum each read the rows once more; the backward is two batched
-    products and a gather back to expert order. No atomics, so the forward is deterministic
-    (recomputation relies on it). The adjoint of `RoutedGather`'s row placement.
+    On CUDA one gather of the rows into slot order and one batched `[1, k] @ [k, H]` product per token,
+    where a multiply, a gather and a sum each read the rows once more; the backward is two batched
+    products and a gather back to expert order. On the CPU the products are a multiply and a sum
+    over the k slots: the same per-token order whatever the batch (a CPU `bmm` sums in an order that
+    depends on the number of tokens), as transformers' own forward. No atomics, so the forward is
+    deterministic (recomputation relies on it). The adjoint of `RoutedGather`'s row placement.
     """
 
     @staticmethod
@@ -70,14 +72,20 @@ class RoutedCombine(torch.autograd.Function):
         w = weights.to(dtype)
         ctx.save_for_backward(slots, w, perm)
         ctx.dtypes = (rows.dtype, weights.dtype)
-        return torch.bmm(w.unsqueeze(1), slots).squeeze(1)
+        if slots.is_cuda:
+            return torch.bmm(w.unsqueeze(1), slots).squeeze(1)
+        return (slots * w.unsqueeze(-1)).sum(dim=1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         slots, w, perm = ctx.saved_tensors
         rows_dtype, weights_dtype = ctx.dtypes
         grad = grad.to(slots.dtype)
-        grad_weights = torch.bmm(slots, grad.unsqueeze(-1)).squeeze(-1).to(weights_dtype)
+        if slots.is_cuda:
+            grad_weights = torch.bmm(slots, grad.unsqueeze(-1)).squeeze(-1)
+        else:
+            grad_weights = (slots * grad.unsqueeze(1)).sum(dim=-1)
+        grad_weights = grad_weights.to(weights_dtype)
         grad_slots = (w.unsqueeze(-1) * grad.unsqueeze(1)).view(-1, slots.shape[-1])
         return grad_slots.index_select(0, perm).to(rows_dtype), grad_weights, None, None
 
