@@ -227,10 +227,6 @@ class Projections:
         self.kind = kind
         self._mats: dict[tuple[str, str], torch.Tensor] = {}
 
-    def width(self, features: int) -> int:
-        """Columns a side of `features` takes under this kind and dimension (`side_width`)."""
-        return side_width(self.kind, features, self.dim)
-
     def get(self, name: str, side: str, features: int, batch: int | None = None) -> torch.Tensor | None:
         """Projection for one side ("in" or "out") of target `name`, transposed for right-multiplication.
 
