@@ -64,6 +64,14 @@ def brute_force_expert_covariances(model, exs, layer=0):
     return A / n, G / n, count
 
 
+# gpt_oss modules with biases: a fused experts projection (transposed), an attention projection, the router
+GPT_OSS_BIASED = [
+    "model.layers.1.mlp.experts.down_proj",
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.mlp.router",
+]
+
+
 def test_expert_factors_equal_brute_force_covariances():
     model = tiny_model("qwen3_moe")
     exs = examples()
@@ -82,11 +90,7 @@ def test_corrected_eigenvalues_equal_mean_squared_rotated_gradients():
     ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False, fold_bias=False)
     ids, mask = collate(exs, list(range(len(exs))))
     grads = ma.per_example_gradients(model, ids, mask)
-    for name in [
-        "model.layers.1.mlp.experts.down_proj",
-        "model.layers.0.self_attn.q_proj",
-        "model.layers.0.mlp.router",
-    ]:
+    for name in GPT_OSS_BIASED:
         f = ek.factors[name]
         qr, qc = f.rows_cols
         w = _stacked(grads, name, f.experts, "weight")
@@ -125,11 +129,7 @@ def test_folded_bias_factors_eigenvalues_and_preconditioning():
     assert rel_err(f.A[:a, a], x.mean(dim=0)) < 1e-5 and abs(float(f.A[a, a]) - 1.0) < 1e-12
 
     grads = ma.per_example_gradients(model, ids, mask)
-    for name in [
-        "model.layers.1.mlp.experts.down_proj",
-        "model.layers.0.self_attn.q_proj",
-        "model.layers.0.mlp.router",
-    ]:
+    for name in GPT_OSS_BIASED:
         f = ek.factors[name]
         folded = f.augment(_stacked(grads, name, f.experts, "weight"), _stacked(grads, name, f.experts, "bias"))
         qr, qc = f.rows_cols
