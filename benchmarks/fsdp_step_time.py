@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +37,9 @@ from moe_attrib.index import load_index
 from moe_attrib.loading import load_model
 from moe_attrib.sharding import load_sharded
 from moe_attrib.zoo import tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from collect_speed import SHAPES as COLLECT_SHAPES  # noqa: E402
 
 SHAPE = dict(
     hidden_size=1024,
@@ -67,18 +71,7 @@ SHAPES = {
         head_dim=64,
     ),
     "h200": SHAPE,
-    "qwen3-30b": dict(
-        hidden_size=2048,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        intermediate_size=6144,
-        num_hidden_layers=4,
-        vocab_size=32000,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-    ),
+    "qwen3-30b": COLLECT_SHAPES["qwen3-30b-a3b-shaped"][1],  # what collect_speed.py and e2e.py time
 }
 
 

@@ -354,6 +354,31 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
     return v
 
 
+def cache_dir(name: str, root: Path) -> Path:
+    """Where configuration `name` caches its corpus, subset losses and full model (keyed by its settings)."""
+    fields = asdict(CONFIGS[name])
+    if fields["family"] == "qwen3_moe":  # caches made before these fields existed stay valid
+        del fields["family"]
+    if not fields["shared_vocab"]:
+        del fields["shared_vocab"]
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    return root / f"lds-{name}-{key}"
+
+
+def print_variants(title: str, variants: dict[str, np.ndarray], domains: list[str], against: str, width: int) -> None:
+    """Per-query LDS of each variant: its mean, the paired bootstrap CI of its difference to the first
+    variant (`this - {against}`) and its per-domain means (what lds_groups.py and lds_checkpoints.py print)."""
+    base = next(iter(variants.values()))
+    print(f"== {title}")
+    for label, values in variants.items():
+        lo, hi = bootstrap(values - base)
+        per = " ".join(
+            f"{d}={np.mean([v for v, dd in zip(values, domains, strict=True) if dd == d]):.3f}"
+            for d in sorted(set(domains))
+        )
+        print(f"  {label:{width}s} {values.mean():.3f}  this - {against} [{lo:+.3f}, {hi:+.3f}]  {per}", flush=True)
+
+
 def markdown(result: dict) -> str:
     """The variants of one result file as a Markdown table (what docs/quality.md shows)."""
     domains = sorted(next(iter(result["per_domain"].values())))
@@ -385,13 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = CONFIGS[args.config]
     torch.set_num_threads(max(1, args.workers))
-    fields = asdict(cfg)
-    if fields["family"] == "qwen3_moe":  # caches made before these fields existed stay valid
-        del fields["family"]
-    if not fields["shared_vocab"]:
-        del fields["shared_vocab"]
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
-    cache = Path(args.cache) / f"lds-{args.config}-{key}"
+    cache = cache_dir(args.config, Path(args.cache))
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     train_records, query_records, tokenizer = corpus(cfg, cache)

@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
-from lds_groups import cache_dir  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
@@ -52,7 +51,7 @@ def checkpoint_scores(model, examples, queries, lm_head: str, root: Path) -> dic
 
 def run(name: str, root: Path, epochs: list[int]) -> None:
     cfg = lds.CONFIGS[name]
-    c = cache_dir(name, root)
+    c = lds.cache_dir(name, root)
     if not (c / "subset_losses.npz").exists():
         raise SystemExit(f"{c}: no cached subset losses; run `python benchmarks/lds.py --config {name}` first")
     saved = np.load(c / "subset_losses.npz")
@@ -79,16 +78,9 @@ def run(name: str, root: Path, epochs: list[int]) -> None:
         variants[f"{key}, last checkpoint (epoch {last})"] = lds.per_query_lds(per_epoch[last][key], subsets, losses)
         mean = np.mean([per_epoch[e][key] for e in epochs], axis=0)
         variants[f"{key}, mean over epochs {epochs}"] = lds.per_query_lds(mean, subsets, losses)
-    base = next(iter(variants.values()))
     domains = [json.loads(line)["domain"] for line in (c / "queries.jsonl").read_text().splitlines()]
-    print(f"== {name} ({len(queries)} queries, {len(subsets)} subset models)")
-    for label, values in variants.items():
-        lo, hi = lds.bootstrap(values - base)
-        per = " ".join(
-            f"{d}={np.mean([v for v, dd in zip(values, domains, strict=True) if dd == d]):.3f}"
-            for d in sorted(set(domains))
-        )
-        print(f"  {label:62s} {values.mean():.3f}  this - first [{lo:+.3f}, {hi:+.3f}]  {per}", flush=True)
+    title = f"{name} ({len(queries)} queries, {len(subsets)} subset models)"
+    lds.print_variants(title, variants, domains, "first", 62)
     ens_default = variants[f"default pipeline (p=32), mean over epochs {epochs}"]
     ens_lm = variants[f"lm_head alone (exact), mean over epochs {epochs}"]
     lo, hi = lds.bootstrap(ens_default - ens_lm)

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import hashlib
 import json
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -45,23 +43,12 @@ COMBOS = [
 DAMPINGS = [(0.1, "module"), (1.0, "module"), (0.01, "model"), (0.1, "model")]
 
 
-def cache_dir(name: str, root: Path) -> Path:
-    """The directory `lds.py --config name` caches into (the same key)."""
-    fields = asdict(lds.CONFIGS[name])
-    if fields["family"] == "qwen3_moe":
-        del fields["family"]
-    if not fields["shared_vocab"]:
-        del fields["shared_vocab"]
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
-    return root / f"lds-{name}-{key}"
-
-
 def unit(x: np.ndarray) -> np.ndarray:
     return x / np.linalg.norm(x, axis=1, keepdims=True).clip(1e-30)
 
 
 def run(name: str, root: Path) -> dict[str, np.ndarray]:
-    c = cache_dir(name, root)
+    c = lds.cache_dir(name, root)
     if not (c / "subset_losses.npz").exists():
         raise SystemExit(f"{c}: no cached subset losses; run `python benchmarks/lds.py --config {name}` first")
     saved = np.load(c / "subset_losses.npz")
@@ -114,15 +101,7 @@ def run(name: str, root: Path) -> dict[str, np.ndarray]:
                 label = f"{' + '.join(names) or 'all'}, damping {damping:g} x mean over {scope}"
                 out[label] = lds.per_query_lds(cosine(pre, names), subsets, losses)
     domains = [json.loads(line)["domain"] for line in (c / "queries.jsonl").read_text().splitlines()]
-    base = next(iter(out.values()))
-    print(f"== {name} ({len(queries)} queries, {len(subsets)} subset models)")
-    for label, values in out.items():
-        lo, hi = lds.bootstrap(values - base)
-        per = " ".join(
-            f"{d}={np.mean([v for v, dd in zip(values, domains, strict=True) if dd == d]):.3f}"
-            for d in sorted(set(domains))
-        )
-        print(f"  {label:44s} {values.mean():.3f}  this - all [{lo:+.3f}, {hi:+.3f}]  {per}", flush=True)
+    lds.print_variants(f"{name} ({len(queries)} queries, {len(subsets)} subset models)", out, domains, "all", 44)
     return out
 
 
