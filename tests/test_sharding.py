@@ -2,6 +2,7 @@
 one-process run, on a transposed-with-biases family (gpt_oss), one with shared experts
 (deepseek_v3) and one with a hash-routed layer (deepseek_v4); and the pieces it rests on."""
 
+import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -106,23 +107,40 @@ def test_lazy_shard_loading_matches_transformers(tmp_path):
         torch.distributed.destroy_process_group()
 
 
+@contextlib.contextmanager
+def one_rank_sharded(tmp_path):
+    """A 3-layer tiny qwen3_moe loaded shard by shard and wrapped by FSDP2 on one gloo rank, a batch, and
+    the plain model's per-example gradients of it (projection 8)."""
+    from moe_attrib.collector import per_example_gradients
+    from moe_attrib.distributed import Dist
+    from moe_attrib.loading import load_model
+    from moe_attrib.sharding import load_sharded
+
+    save_tiny(str(tmp_path), "qwen3_moe", texts(), num_hidden_layers=3)
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9], [4, 3, 9, 8, 2, 6]])
+    want = per_example_gradients(load_model(str(tmp_path), "fp32"), ids, projection_dim=8)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free()}", rank=0, world_size=1)
+    try:
+        yield load_sharded(str(tmp_path), torch.float32, Dist(0, 1, torch.device("cpu"), fsdp=True)), ids, want
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def assert_same_gradients(got, want) -> None:
+    assert want.keys() == got.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6 * float(value.abs().max()))
+
+
 def test_collection_step_keeps_last_layer_gathered_and_forms_no_weight_gradients(tmp_path):
     """One rank: the per-example gradients of the plain model; between forward and backward only the last
     layer stays gathered (the others were resharded and are gathered again for their backward); after the
     step every layer is resharded and no parameter holds a gradient (collection needs activation gradients
     only: nothing for FSDP2 to reduce-scatter)."""
     from moe_attrib.collector import per_example_gradients
-    from moe_attrib.distributed import Dist
-    from moe_attrib.loading import load_model
-    from moe_attrib.sharding import decoder_layers, is_dtensor, load_sharded
+    from moe_attrib.sharding import decoder_layers, is_dtensor
 
-    save_tiny(str(tmp_path), "qwen3_moe", texts(), num_hidden_layers=3)
-    ids = torch.tensor([[1, 5, 6, 7, 8, 9], [4, 3, 9, 8, 2, 6]])
-    plain = load_model(str(tmp_path), "fp32")
-    want = per_example_gradients(plain, ids, projection_dim=8)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free()}", rank=0, world_size=1)
-    try:
-        sharded = load_sharded(str(tmp_path), torch.float32, Dist(0, 1, torch.device("cpu"), fsdp=True))
+    with one_rank_sharded(tmp_path) as (sharded, ids, want):
         layers = decoder_layers(sharded)
         seen = []  # after the last layer's forward: which layers hold sharded (DTensor) parameters
         sharded.model.norm.register_forward_hook(
@@ -132,11 +150,7 @@ def test_collection_step_keeps_last_layer_gathered_and_forms_no_weight_gradients
         assert seen == [[True, True, False]]
         assert all(is_dtensor(p) for p in sharded.parameters())
         assert all(p.grad is None for p in sharded.parameters())
-        assert want.keys() == got.keys()
-        for key, value in want.items():
-            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6 * float(value.abs().max()))
-    finally:
-        torch.distributed.destroy_process_group()
+        assert_same_gradients(got, want)
 
 
 def free() -> int:
@@ -224,20 +238,8 @@ def test_recompute_layers_under_fsdp_gives_the_plain_gradients(tmp_path):
     """`--recompute_layers` with `--fsdp` (one gloo rank): the recomputed, sharded layers give the plain
     model's per-example gradients and leave no parameter gradient."""
     from moe_attrib.collector import per_example_gradients
-    from moe_attrib.distributed import Dist
-    from moe_attrib.loading import load_model
-    from moe_attrib.sharding import load_sharded
 
-    save_tiny(str(tmp_path), "qwen3_moe", texts(), num_hidden_layers=3)
-    ids = torch.tensor([[1, 5, 6, 7, 8, 9], [4, 3, 9, 8, 2, 6]])
-    want = per_example_gradients(load_model(str(tmp_path), "fp32"), ids, projection_dim=8)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free()}", rank=0, world_size=1)
-    try:
-        sharded = load_sharded(str(tmp_path), torch.float32, Dist(0, 1, torch.device("cpu"), fsdp=True))
+    with one_rank_sharded(tmp_path) as (sharded, ids, want):
         got = per_example_gradients(sharded, ids, projection_dim=8, recompute=True)
         assert all(p.grad is None for p in sharded.parameters())
-        assert want.keys() == got.keys()
-        for key, value in want.items():
-            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6 * float(value.abs().max()))
-    finally:
-        torch.distributed.destroy_process_group()
+        assert_same_gradients(got, want)
