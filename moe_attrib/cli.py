@@ -342,7 +342,7 @@ def training_examples(settings: dict, tokenizer, text_field: str) -> list:
 def cmd_score(args: argparse.Namespace) -> int:
     from moe_attrib.data import DataError, check_token_ids, fingerprint, load_examples
     from moe_attrib.ekfac import load_ekfac
-    from moe_attrib.ensemble import matrix_info, write_info
+    from moe_attrib.ensemble import load_matrices, matrix_info, write_info
     from moe_attrib.fingerprint import FingerprintError, check_model
     from moe_attrib.index import IndexFileError, load_index
     from moe_attrib.results import results_format, write_results
@@ -357,11 +357,6 @@ def cmd_score(args: argparse.Namespace) -> int:
             if path:
                 check_out_file(path, flag)
         for path in args.average_with or []:
-            if not Path(path).is_file() or not Path(path + ".json").is_file():
-                raise UsageError(
-                    f"--average_with {path}: needs the matrix and its {Path(path).name}.json beside it, as "
-                    "`moe-attrib score ... --all_scores FILE` writes them."
-                )
             if args.all_scores and Path(path).resolve() == Path(args.all_scores).resolve():
                 raise UsageError(f"--all_scores {args.all_scores} is also given to --average_with.")
         index = load_index(args.index)
@@ -372,6 +367,9 @@ def cmd_score(args: argparse.Namespace) -> int:
         check_model(settings, None, tokenizer, what=f"index {args.index}")
         train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
         queries = load_examples(args.queries, tokenizer, args.text_field, settings.get("max_length"), True)
+        scored_with = (args.unit_normalize, args.modules, bool(ekfac_dirs))
+        own = matrix_info(index, fingerprint(queries), len(queries), *scored_with)
+        others = load_matrices(args.average_with, own) if args.average_with else []  # checked before any work
         dtype = getattr(torch, settings["dtype"].removeprefix("torch."))
         if args.fsdp:  # query gradients with the model sharded over torchrun's ranks; rank 0 scores
             from moe_attrib.distributed import setup
@@ -398,9 +396,8 @@ def cmd_score(args: argparse.Namespace) -> int:
             damping = ekfac.settings.get("damping") if args.damping is None else args.damping
             ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
         opts = dict(ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules, device=device)
-        own = matrix_info(index, fingerprint(queries), len(queries), args.unit_normalize, args.modules, bool(ekfac))
-        if args.average_with:
-            result = averaged_scores(args, index, q, own, opts)
+        if others:
+            result = averaged_scores(args, index, q, others, opts)
         else:
             result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
             if args.all_scores:
@@ -426,15 +423,15 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
-def averaged_scores(args: argparse.Namespace, index, q, own: dict, opts: dict):
-    """`score --average_with`: top-k of the mean of this run's score matrix and the given ones (other
-    checkpoints'); per-module parts, if asked, are this checkpoint's part of each averaged hit."""
+def averaged_scores(args: argparse.Namespace, index, q, others: list, opts: dict):
+    """`score --average_with`: top-k of the mean of this run's score matrix and `others` (other
+    checkpoints', checked by `load_matrices`); per-module parts, if asked, are this checkpoint's part
+    of each averaged hit."""
     import tempfile
 
-    from moe_attrib.ensemble import load_matrices, mean_top_k
+    from moe_attrib.ensemble import mean_top_k
     from moe_attrib.score import Scores, hit_parts, score_matrix
 
-    others = load_matrices(args.average_with, own)
     with tempfile.TemporaryDirectory(prefix="moe-attrib-scores-") as tmp:
         mine = score_matrix(index, q, out=args.all_scores or Path(tmp) / "scores.npy", progress=True, **opts)
         values, rows = mean_top_k([mine, *others], args.top_k)
