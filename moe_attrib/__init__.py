@@ -2,6 +2,7 @@
 
 from moe_attrib.build import build_index
 from moe_attrib.collector import GradientCollector, PerExampleGradients, per_example_gradients
+from moe_attrib.coupling import Coupling, fit_coupling
 from moe_attrib.data import DataError, Example, load_examples
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.ekfac import EKFAC, fit_ekfac, load_ekfac
@@ -19,6 +20,7 @@ from moe_attrib.score import (
 from moe_attrib.version import __version__
 
 __all__ = [
+    "Coupling",
     "CoverageReport",
     "DataError",
     "Example",
@@ -35,6 +37,7 @@ __all__ = [
     "build_index",
     "discover",
     "expand_moe",
+    "fit_coupling",
     "fit_ekfac",
     "load_ekfac",
     "load_examples",

@@ -340,6 +340,8 @@ def training_examples(settings: dict, tokenizer, text_field: str) -> list:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
+    from moe_attrib.coupling import check_memory as check_coupling_memory
+    from moe_attrib.coupling import fit_coupling
     from moe_attrib.data import DataError, check_token_ids, fingerprint, load_examples
     from moe_attrib.ekfac import load_ekfac
     from moe_attrib.ensemble import load_matrices, matrix_info, write_info
@@ -367,7 +369,11 @@ def cmd_score(args: argparse.Namespace) -> int:
         check_model(settings, None, tokenizer, what=f"index {args.index}")
         train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
         queries = load_examples(args.queries, tokenizer, args.text_field, settings.get("max_length"), True)
-        scored_with = (args.unit_normalize, args.modules, bool(ekfac_dirs))
+        coupled = coupling_args(args)
+        if coupled:  # before the model is loaded
+            where = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            check_coupling_memory(index, args.coupling_sample, where, args.coupling_rank)
+        scored_with = (args.unit_normalize, args.modules, bool(ekfac_dirs), coupled)
         own = matrix_info(index, fingerprint(queries), len(queries), *scored_with)
         others = load_matrices(args.average_with, own) if args.average_with else []  # checked before any work
         dtype = getattr(torch, settings["dtype"].removeprefix("torch."))
@@ -396,6 +402,7 @@ def cmd_score(args: argparse.Namespace) -> int:
             damping = ekfac.settings.get("damping") if args.damping is None else args.damping
             ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
         opts = dict(ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules, device=device)
+        opts["coupling"] = fit_coupling(index, **opts, **coupled, progress=True) if coupled else None
         if others:
             result = averaged_scores(args, index, q, others, opts)
         else:
@@ -410,7 +417,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     from moe_attrib.results import ResultsError
 
     try:
-        records = result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, result)
+        coupling = opts["coupling"]
+        records = result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, coupling, result)
         write_results(records, args.out)
     except ResultsError as err:
         print(f"moe-attrib score: error: {err}", file=sys.stderr)
@@ -441,7 +449,7 @@ def averaged_scores(args: argparse.Namespace, index, q, others: list, opts: dict
     return Scores(values, rows, parts)
 
 
-def result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, result) -> list[dict]:
+def result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, coupling, result) -> list[dict]:
     """Score records with the query's routing and, for a token index, the hit examples' token shares."""
     import numpy as np
 
@@ -452,7 +460,13 @@ def result_records(args, index, queries, train, tokenizer, q, query_counts, ekfa
     if index.token_offsets is not None:
         positions = np.searchsorted(index.token_offsets, result.rows.reshape(-1), side="right") - 1
         shares = token_scores(
-            index, q, positions.tolist(), ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules
+            index,
+            q,
+            positions.tolist(),
+            ekfac=ekfac,
+            unit_normalize=args.unit_normalize,
+            modules=args.modules,
+            coupling=coupling,
         )
     return score_records(
         queries,
@@ -616,6 +630,29 @@ def add_damping_args(parser: argparse.ArgumentParser, override: bool = False) ->
     )
 
 
+def add_coupling_args(parser: argparse.ArgumentParser) -> None:
+    """`--coupling_gamma/_rank/_sample`: the cross-module coupling of the scores (docs/scoring.md)."""
+    from moe_attrib.coupling import DEFAULT_GAMMA, DEFAULT_RANK, DEFAULT_SAMPLE
+
+    parser.add_argument(
+        "--coupling_gamma",
+        type=nonnegative_float,
+        default=DEFAULT_GAMMA,
+        help="strength of the cross-module coupling fitted from the index's own rows (0: off)",
+    )
+    parser.add_argument("--coupling_rank", type=positive_int, default=DEFAULT_RANK, help="its rank")
+    parser.add_argument(
+        "--coupling_sample", type=positive_int, default=DEFAULT_SAMPLE, help="index rows it is fitted from"
+    )
+
+
+def coupling_args(args: argparse.Namespace) -> dict | None:
+    """The coupling's settings as given (None: off); they are part of how a score matrix was scored."""
+    if args.coupling_gamma == 0:
+        return None
+    return {"gamma": args.coupling_gamma, "rank": args.coupling_rank, "sample": args.coupling_sample}
+
+
 def projection(args: argparse.Namespace) -> int | None:
     return None if args.no_projection else args.projection_dim
 
@@ -695,6 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--modules", default=None, help="score through the blocks matching this glob only, e.g. '*.experts.*'"
     )
     add_damping_args(sc, override=True)
+    add_coupling_args(sc)
     sc.add_argument(
         "--all_scores",
         default=None,

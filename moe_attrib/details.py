@@ -12,10 +12,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from moe_attrib.coupling import Coupling, resolve_coupling
 from moe_attrib.data import Example
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Index
-from moe_attrib.score import DEFAULT_UNIT_NORMALIZE, query_gradients, score_matrix
+from moe_attrib.score import DEFAULT_COUPLING, DEFAULT_UNIT_NORMALIZE, query_gradients, score_matrix
 
 
 def query_expert_counts(
@@ -37,6 +38,7 @@ def token_scores(
     ekfac: EKFAC | None = None,
     unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
     modules: str | None = None,
+    coupling: Coupling | str | None = DEFAULT_COUPLING,
 ) -> dict[int, np.ndarray]:
     """Scores of every query against every token row of the given example positions of a token
     index (`--attribute_tokens`): `{position: [Q, tokens]}`. Computed by `score_matrix` on a view of
@@ -47,9 +49,11 @@ def token_scores(
     positions = sorted(set(examples))
     if not positions:
         return {}
+    coupling = resolve_coupling(index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules)
     rows = np.concatenate([np.arange(offsets[p], offsets[p + 1]) for p in positions])
     view = replace(index, gradients=np.asarray(index.gradients[rows]), token_offsets=None)
-    full = score_matrix(view, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, device="cpu")
+    opts = dict(ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling)
+    full = score_matrix(view, queries, device="cpu", **opts)
     out, start = {}, 0
     for p in positions:
         n = int(offsets[p + 1] - offsets[p])

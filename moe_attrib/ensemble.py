@@ -30,7 +30,13 @@ class EnsembleError(ValueError):
 
 
 def matrix_info(
-    index: Index, queries_fingerprint: str, queries: int, unit_normalize: bool, modules: str | None, ekfac: bool
+    index: Index,
+    queries_fingerprint: str,
+    queries: int,
+    unit_normalize: bool,
+    modules: str | None,
+    ekfac: bool,
+    coupling: dict | None = None,
 ) -> dict:
     """What a `[queries, rows]` score matrix of `index` belongs to (written beside it as `<file>.json`)."""
     settings = index.manifest["settings"]
@@ -45,6 +51,7 @@ def matrix_info(
         "unit_normalize": bool(unit_normalize),
         "modules": modules,
         "ekfac": bool(ekfac),
+        "coupling": coupling,
         "index": str(Path(index.path).resolve()),
     }
 
@@ -92,6 +99,7 @@ def load_matrices(paths: list[str], own: dict) -> list[np.ndarray]:
             ("unit_normalize", "--unit_normalize setting"),
             ("modules", "--modules"),
             ("ekfac", "use of --ekfac"),
+            ("coupling", "cross-module coupling (--coupling_*)"),
         ):
             if info.get(key) != own.get(key):
                 raise EnsembleError(

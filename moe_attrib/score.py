@@ -1,15 +1,15 @@
 """Scoring: which training rows of an index most influenced each query.
 
 A score is the inner product of a query's projected gradient with a training row, optionally
-after EK-FAC preconditioning of the query (`g_q^T (F + damping)^-1 g_train`) and/or unit
-normalisation (cosine). The index is streamed in row blocks (`moe_attrib.stream`: threaded reads,
-pinned double buffers, copies overlapped with the arithmetic), so it never has to fit in memory;
-the running top-k stays on the device and is read back once.
+after EK-FAC preconditioning of the query (`g_q^T (F + damping)^-1 g_train`), the cross-module
+coupling (`moe_attrib.coupling`, on by default) and/or unit normalisation (cosine). The index is
+streamed in row blocks (`moe_attrib.stream`: threaded reads, pinned double buffers, copies
+overlapped with the arithmetic), so it never has to fit in memory; the running top-k stays on the
+device and is read back once.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,22 +17,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_attrib.coupling import Coupling, resolve_coupling
 from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.fingerprint import check_model, check_settings_match
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
+from moe_attrib.precondition import EXPERT_BLOCK, ScoreError, module_columns, precondition_queries
 from moe_attrib.projection import projection_kind
 from moe_attrib.stream import DEFAULT_BLOCK_BYTES, DEFAULT_READER, ToHost, stream_rows
 
 DEFAULT_UNIT_NORMALIZE = True  # cosine after preconditioning (docs/quality.md)
+DEFAULT_COUPLING = "auto"  # fit the cross-module coupling with its defaults (docs/quality.md)
+__all__ = [
+    "Coupling",
+    "ScoreError",
+    "Scores",
+    "precondition_queries",
+    "prepare_queries",
+    "query_gradients",
+    "score",
+    "score_matrix",
+]
 UNDEFINED = torch.finfo(torch.float32).min  # rank of a non-finite score; reported as NaN
-
-_EXPERT = re.compile(r"^(?P<layer>.+)\.expert_(?P<i>\d+)\.(?P<proj>[^.]+)\.(?P<key>weight|bias)$")
-
-
-class ScoreError(ValueError):
-    """Queries, index and factors that do not belong together."""
 
 
 @dataclass
@@ -44,79 +51,6 @@ class Scores:
     parts: np.ndarray | None = None
 
 
-def precondition_queries(
-    queries: torch.Tensor, blocks: list[Block], ekfac: EKFAC, index_settings: dict
-) -> torch.Tensor:
-    """Apply EK-FAC (fitted in the index's projected space) to query rows `[Q, dim]`, block by block.
-
-    Weight blocks are preconditioned with their module's factors (an expert block with its
-    expert's slice); a bias block together with its weight where the factors fold it in
-    (`fit_ekfac(fold_bias=True)`), else left as it is.
-    """
-    projected = index_settings["projection_dim"] is not None
-    if ekfac.projection_dim != index_settings["projection_dim"] or (projected and ekfac.seed != index_settings["seed"]):
-        raise ScoreError(
-            f"EK-FAC factors were fitted with projection_dim={ekfac.projection_dim}, seed={ekfac.seed} but the index "
-            f"uses projection_dim={index_settings['projection_dim']}, seed={index_settings['seed']}; refit with "
-            "`moe-attrib ekfac --projection_dim P --seed S` matching the index."
-        )
-    if projected and ekfac.projection != projection_kind(index_settings):
-        raise ScoreError(
-            f"EK-FAC factors were fitted with projection {ekfac.projection!r} but the index uses "
-            f"{projection_kind(index_settings)!r}; refit with `moe-attrib ekfac --index DIR` (it takes the index's)."
-        )
-    out = queries.clone().double()
-    by_name = {b.name: b for b in blocks}
-    for b in blocks:
-        if not b.name.endswith(".weight"):
-            continue
-        m = _EXPERT.match(b.name)
-        factor, expert = (f"{m['layer']}.{m['proj']}", int(m["i"])) if m else (b.name[: -len(".weight")], None)
-        if factor not in ekfac.factors:
-            raise ScoreError(f"no EK-FAC factor for {b.name}: fit EK-FAC with the index's modules and settings.")
-        f = ekfac.factors[factor]
-        if f.experts and expert is None:
-            raise ScoreError(
-                f"{b.name} sums a layer's experts (--expert_blocks sum), which cannot be preconditioned per "
-                "expert: build the index with --expert_blocks separate to use EK-FAC."
-            )
-        grad = out[:, b.start : b.stop].reshape(-1, *b.shape)
-        bias = by_name.get(b.name[: -len(".weight")] + ".bias") if f.bias else None
-        if f.bias:
-            if bias is None:
-                raise ScoreError(f"the EK-FAC factor of {b.name} folds a bias that the index has no block for.")
-            grad = f.augment(grad, out[:, bias.start : bias.stop])
-        if expert is not None:
-            qr, qc = (q[expert] for q in f.rows_cols)
-            lam, damp = f.lam[expert], f.damping[expert]
-        else:
-            (qr, qc), lam, damp = f.rows_cols, f.lam, f.damping
-        qr, qc, lam = qr.to(grad.device), qc.to(grad.device), lam.to(grad.device)
-        rotated = qr.T @ grad @ qc
-        result = qr @ (rotated / (lam + damp.to(grad.device))) @ qc.T
-        if bias is not None:
-            result, out[:, bias.start : bias.stop] = f.split(result)
-        out[:, b.start : b.stop] = result.reshape(grad.shape[0], -1)
-    return out.float()
-
-
-def module_columns(blocks: list[Block], modules: str | None) -> torch.Tensor | None:
-    """Boolean column mask of the blocks whose name matches the glob `modules` (None: every column).
-
-    Block names are parameter names (`model.layers.0.mlp.experts.expert_3.down_proj.weight`), so
-    `*.experts.*` selects every expert, `lm_head.*` the output layer, `*.self_attn.*` attention.
-    """
-    if modules is None:
-        return None
-    mask = torch.zeros(blocks[-1].stop, dtype=torch.bool)
-    for b in blocks:
-        if fnmatch.fnmatchcase(b.name, modules):
-            mask[b.start : b.stop] = True
-    if not mask.any():
-        raise ScoreError(f"--modules {modules!r} matches no block of the index (e.g. {blocks[0].name}).")
-    return mask
-
-
 def prepare_queries(
     index: Index,
     queries: torch.Tensor | np.ndarray,
@@ -124,9 +58,11 @@ def prepare_queries(
     ekfac: EKFAC | None = None,
     unit_normalize: bool = False,
     modules: str | None = None,
+    coupling: Coupling | str | None = None,
 ) -> torch.Tensor:
     """Query rows as they are multiplied with the index: EK-FAC preconditioned, restricted to the
-    blocks matching `modules` (other columns zero), and/or unit-normalised."""
+    blocks matching `modules` (other columns zero), coupled across modules (`coupling`: a fitted
+    `Coupling`, "auto" to fit one here, None for none) and/or unit-normalised."""
     q = (
         queries.detach().float().cpu()
         if isinstance(queries, torch.Tensor)
@@ -140,6 +76,9 @@ def prepare_queries(
         q = precondition_queries(q, index.blocks, ekfac, index.manifest["settings"])
     if mask is not None:
         q = q * mask
+    coupling = resolve_coupling(index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules)
+    if coupling is not None:
+        q = coupling.apply(q)
     if unit_normalize:
         q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-30)
     return q
@@ -191,6 +130,7 @@ def score(
     top_k: int = 10,
     per_module: bool = False,
     modules: str | None = None,
+    coupling: Coupling | str | None = DEFAULT_COUPLING,
     block_rows: int | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     device: str | torch.device | None = None,
@@ -203,10 +143,16 @@ def score(
     The index is streamed in blocks of `block_bytes` stored bytes (or `block_rows` rows) with a
     running top-k on the device, so memory stays bounded whatever the index size; `threads` and
     `reader` tune the reads (`moe_attrib.stream`). `modules` (a glob over block names) scores
-    through those blocks only.
+    through those blocks only. `coupling` ("auto": fitted here from the index's rows; a `Coupling`
+    from `fit_coupling` to reuse one; None: off) adds the cross-module correction.
     """
     device = _device(device)
-    q = prepare_queries(index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules).to(device)
+    coupling = resolve_coupling(
+        index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, device=device, progress=progress
+    )
+    q = prepare_queries(
+        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling
+    ).to(device)
     k = min(top_k, index.gradients.shape[0])
     best_v = torch.full((q.shape[0], k), -torch.inf, device=device)
     best_i = torch.zeros((q.shape[0], k), dtype=torch.long, device=device)
@@ -242,12 +188,19 @@ def hit_parts(
     ekfac: EKFAC | None = None,
     unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
     modules: str | None = None,
+    coupling: Coupling | str | None = DEFAULT_COUPLING,
     device: str | torch.device | None = None,
+    progress: bool = False,
 ) -> np.ndarray:
     """Per-block parts `[Q, k, blocks]` of each query's score against the index rows `rows` `[Q, k]`
     (what `score(per_module=True)` gives for its own top-k rows), e.g. for rows ranked elsewhere."""
     device = _device(device)
-    q = prepare_queries(index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules).to(device)
+    coupling = resolve_coupling(
+        index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, device=device, progress=progress
+    )
+    q = prepare_queries(
+        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling
+    ).to(device)
     return _parts(index, q, torch.as_tensor(np.asarray(rows), device=device), unit_normalize, modules, device)
 
 
@@ -258,6 +211,7 @@ def score_matrix(
     ekfac: EKFAC | None = None,
     unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
     modules: str | None = None,
+    coupling: Coupling | str | None = DEFAULT_COUPLING,
     out: str | Path | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     device: str | torch.device | None = None,
@@ -274,7 +228,12 @@ def score_matrix(
     CUDA each block's scores come back through a pinned buffer while the next block is scored.
     """
     device = _device(device)
-    q = prepare_queries(index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules).to(device)
+    coupling = resolve_coupling(
+        index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, device=device, progress=progress
+    )
+    q = prepare_queries(
+        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling
+    ).to(device)
     shape = (q.shape[0], index.gradients.shape[0])
     if out is None:
         result = np.empty(shape, dtype=np.float32)
@@ -297,7 +256,7 @@ def group_parts(parts: np.ndarray, blocks: list[Block]) -> dict[str, dict[str, f
     layers: dict[str, float] = {}
     experts: dict[str, float] = {}
     for value, b in zip(parts, blocks, strict=True):
-        m = _EXPERT.match(b.name)
+        m = EXPERT_BLOCK.match(b.name)
         if m:
             key = f"{m['layer']}.expert_{m['i']}"
             experts[key] = experts.get(key, 0.0) + float(value)

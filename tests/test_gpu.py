@@ -103,6 +103,28 @@ def test_cuda_build_pipeline_equals_cpu_build(tmp_path):
     assert np.allclose(gpu.losses, cpu.losses, rtol=1e-3) and np.array_equal(gpu.expert_counts, cpu.expert_counts)
 
 
+def test_cuda_coupled_scores_equal_cpu_ones(tmp_path):
+    """The coupling fitted and applied on CUDA (EK-FAC, sampled rows) gives the CPU's scores."""
+    import numpy as np
+
+    from moe_attrib.data import Example
+
+    gen = torch.Generator().manual_seed(4)
+    ex = [Example(i, torch.randint(3, 120, (int(torch.randint(5, 12, (1,), generator=gen)),), generator=gen).tolist())
+          for i in range(40)]  # fmt: skip
+    model = tiny_model("qwen3_moe")
+    kw = {"projection_dim": 8, "seed": 2, "progress": False}
+    index = ma.load_index(ma.build_index(model, ex, tmp_path / "idx", **kw))
+    ek = ma.fit_ekfac(model, ex, **kw)
+    q = ma.query_gradients(model, ex[:5], index)
+    scores = {}
+    for device in ("cpu", "cuda"):
+        c = ma.fit_coupling(index, ekfac=ek, sample=30, device=device)
+        scores[device] = ma.score_matrix(index, q, ekfac=ek, coupling=c, device=device)
+    a, b = scores["cuda"], scores["cpu"]
+    assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max()  # tf32 may be on for CUDA matmuls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_segment_sums_match_brute_force(dtype):
     """Per-segment sums on CUDA: bf16 through grouped_mm (offsets along the contracted rows), fp32 through

@@ -117,6 +117,7 @@ def test_all_row_scores_equal_brute_force(small_index, kwargs, tmp_path):
         "ekfac": ek if use_ek else None,
         "unit_normalize": bool(unit),
         "block_bytes": 3 * 4 * index.gradients.shape[1],
+        "coupling": None,  # the uncoupled brute force; tests/test_coupling.py checks the coupled scores
     }
     got = ma.score_matrix(index, q, device="cpu", **opts)
     assert got.shape == (3, 10) and np.allclose(got, brute, rtol=1e-4, atol=1e-8)
@@ -176,9 +177,10 @@ def test_module_restricted_scores_equal_brute_force_on_those_columns(small_index
     rows = torch.from_numpy(np.asarray(index.gradients)[:, cols]).double()
     if unit:
         qq, rows = qq / qq.norm(dim=1, keepdim=True), rows / rows.norm(dim=1, keepdim=True)
-    got = ma.score_matrix(index, q, ekfac=ek, unit_normalize=unit, modules="*.experts.*", device="cpu")
+    opts = dict(ekfac=ek, unit_normalize=unit, modules="*.experts.*", coupling=None)
+    got = ma.score_matrix(index, q, device="cpu", **opts)
     assert np.allclose(got, (qq @ rows.T).numpy(), rtol=1e-4, atol=1e-8)
-    top = ma.score(index, q, ekfac=ek, unit_normalize=unit, modules="*.experts.*", top_k=2, per_module=True)
+    top = ma.score(index, q, top_k=2, per_module=True, **opts)
     assert np.allclose(top.parts.sum(-1), top.values, rtol=1e-4, atol=1e-8)
     with pytest.raises(ma.ScoreError, match="matches no block"):
         ma.score_matrix(index, q, modules="*.nothing.*")
