@@ -59,6 +59,32 @@ def plain_step(model, ids, mask, labels) -> None:
         p.grad = None
 
 
+def floor_step(model, ids, mask, labels) -> None:
+    """The least any collection must run: the model's forward and the backward of its activations
+    down to the input embeddings, with no weight gradient (the parameters are frozen by the caller)."""
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    out = model(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
+    example_losses(out.logits, labels).sum().backward()
+
+
+def frozen(model):
+    """Context: every parameter without requires_grad, restored after."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        flags = [(p, p.requires_grad) for p in model.parameters()]
+        for p, _ in flags:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p, flag in flags:
+                p.requires_grad_(flag)
+
+    return cm()
+
+
 def token_ids(model, n: int, seq_len: int, repeat: float = 0.0, seed: int = 0) -> torch.Tensor:
     """Random ids; with `repeat` > 0 that fraction of positions holds one token (a skewed router's load)."""
     gen = torch.Generator().manual_seed(seed)
@@ -80,13 +106,17 @@ def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds:
     mask = torch.ones_like(ids)
     labels = ids.clone()
     report = ma.discover(model, track_moe_experts=True, warn=False)
-    times: dict[str, list[float]] = {"plain": [], "collect": []}
-    peaks = {"plain": 0, "collect": 0}
+    times: dict[str, list[float]] = {"plain": [], "collect": [], "floor": []}
+    peaks = {"plain": 0, "collect": 0, "floor": 0}
     share = None
     for _ in range(rounds):
         _, t, m = timed(lambda: plain_step(model, ids, mask, labels), 2, steps)
         times["plain"] += t
         peaks["plain"] = max(peaks["plain"], m)
+        with frozen(model):
+            _, t, m = timed(lambda: floor_step(model, ids, mask, labels), 2, steps)
+        times["floor"] += t
+        peaks["floor"] = max(peaks["floor"], m)
         with GradientCollector(model, report, projection_dim=p) as c:
             out = c.collect(ids, mask, labels, fused_experts=True)
             share = expert_share(out.expert_counts.float().cpu())
@@ -115,6 +145,9 @@ def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds:
         "plain_peak_gib": peaks["plain"] / GiB,
         "collect_peak_gib": peaks["collect"] / GiB,
         "memory_ratio": peaks["collect"] / peaks["plain"],
+        "floor_ms": statistics.median(times["floor"]) * 1e3,
+        "floor_ratio": statistics.median(times["floor"]) / plain,
+        "floor_memory_ratio": peaks["floor"] / peaks["plain"],
         "rounds": rounds,
         "steps_per_round": steps,
     }
