@@ -150,10 +150,13 @@ class Kernels:
         return tiled_segment_mm(left, right, ends)
 
     def matmul_fp32(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """`(x @ w)` as float32; on CUDA with bf16/fp16 inputs one GEMM writes fp32 directly."""
+        """`(x @ w)` as float32; on CUDA with bf16/fp16 inputs one GEMM writes fp32 directly.
+        2D rows take one op (no reshapes around the GEMM)."""
         key = f"mm(out_dtype=float32)[{x.dtype}]"
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and key not in self.fallbacks:
             try:
+                if x.dim() == 2:
+                    return torch.mm(x, w, out_dtype=torch.float32)
                 flat = torch.mm(x.reshape(-1, x.shape[-1]), w, out_dtype=torch.float32)
                 return flat.view(*x.shape[:-1], w.shape[-1])
             except (RuntimeError, TypeError) as err:
