@@ -344,7 +344,7 @@ class Capture:
         if rows.num_tokens % n:
             raise RuntimeError(f"{layout.name}: {rows.num_tokens} tokens cannot be split into {n} examples.")
         per_example = rows.num_tokens // n
-        seg = rows.expert * n + rows.token // per_example
+        seg = torch.add(rows.token // per_example, rows.expert, alpha=n)  # expert * N + example, in two ops
         trash = rows.num_experts > e  # rows of zero-compute (identity) experts sit past the real ones
         if trash:
             valid = rows.expert < e

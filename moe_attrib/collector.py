@@ -145,6 +145,13 @@ def _form_experts(results: dict, recs: list[CaptureRecord], n: int, kernels: Ker
             start += c.grid.segments + 1
         seg = torch.cat(segs) if len(segs) > 1 else segs[0]
         bias = g.new_zeros(base_segs, g.shape[-1]).index_add_(0, seg, g)
+    e = recs[0].layout.num_experts
+    if len(recs) > 1 and all(c.layout.num_experts == e for c in recs) and bias is None:
+        # the same views as below, from four ops for the chunk instead of three per record
+        per = w.view(len(recs), e * n + 1, *w.shape[1:])[:, :-1].view(len(recs), e, n, *w.shape[1:]).transpose(1, 2)
+        for i, c in enumerate(recs):
+            _accumulate(results, f"{c.name}.weight", per[i])
+        return
     start = 0
     for c in recs:
         e, stop = c.layout.num_experts, start + c.grid.segments
