@@ -132,7 +132,7 @@ def test_route_rows_orders_rows_expert_then_token_then_slot(experts, tokens, k):
 
 def test_op_counts_of_a_collection_step_stay_reduced():
     """The aten ops a collection step dispatches per MoE layer (host overhead at small batches, issue 15):
-    a 2-layer model against a 1-layer one, so the count is per layer (model ops included): 312 after the
+    a 2-layer model against a 1-layer one, so the count is per layer (model ops included): 307 after the
     reductions measured by benchmarks/host_overhead.py, 343 before them; the bound leaves a small margin."""
 
     class Count(TorchDispatchMode):
@@ -152,4 +152,4 @@ def test_op_counts_of_a_collection_step_stay_reduced():
             with Count():
                 collector.collect(ids, torch.ones_like(ids), fused_experts=True)
         per_model.append(Count.ops)
-    assert per_model[1] - per_model[0] <= 320, per_model
+    assert per_model[1] - per_model[0] <= 315, per_model
