@@ -70,7 +70,7 @@ class RoutedGrid:
     ends: torch.Tensor
     segments: int
     trash: bool
-    bounds: torch.Tensor | None = None
+    bounds: torch.Tensor
 
 
 @dataclass

@@ -21,7 +21,7 @@ def route_rows(top_k_index: torch.Tensor, num_tokens: int, num_experts: int) -> 
     """Sort (token, slot) pairs expert-major then token-major; returns rows and the slot permutation.
 
     One stable sort of the expert ids: ties keep the (token, slot) order, so the rows of an expert
-    come token by token (what sorting `expert * tokens + token` gives, in four fewer ops per layer).
+    come token by token (what sorting `expert * tokens + token` gives, in six fewer ops per layer).
     """
     k = top_k_index.shape[-1]
     expert, perm = torch.sort(top_k_index.reshape(-1).long(), stable=True)
