@@ -15,7 +15,9 @@ Op counts: every aten op that reaches a kernel (a `TorchDispatchMode`, after aut
 decomposition), attributed to the innermost moe-attrib function on the Python stack (`capture`,
 `layouts/routed`, `Kernels`, formation, packaging, flatten), else to the model's own forward
 (transformers) or to the autograd engine's backward of a model op. Wall time: medians of per-step
-`perf_counter` over interleaved rounds (plain, collect, plain, ...), `OMP_NUM_THREADS=1` recommended.
+`perf_counter` over interleaved rounds (plain, collect, plain, ...), and of the thread's CPU time
+(`thread_time`: what the step used, less sensitive to other processes on a shared machine than wall
+time), `OMP_NUM_THREADS=1` recommended.
 
 CUDA differs (the counts here are the CPU's): `--cuda_segments` forces `Kernels.segment_mm` to the
 tiled fallback that float32 rows take on CUDA (CUDA's grouped GEMM takes bf16 only), which is what the
@@ -201,17 +203,21 @@ def measure(args, dtype: torch.dtype, cuda_segments: bool) -> dict:
     prof = {name: run(name, lambda fn=fn: profiler_ops(fn)) for name, fn in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
 
-    def timed(fn) -> list[float]:
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+
+    def timed(fn) -> list[tuple[float, float]]:
         out = []
         for _ in range(args.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             fn()
-            out.append(time.perf_counter() - t0)
+            out.append((time.perf_counter() - t0, time.thread_time() - c0))
         return out
 
     for _ in range(args.rounds):
         for name, fn in steps.items():
-            times[name] += run(name, lambda fn=fn: timed(fn))
+            for wall, used in run(name, lambda fn=fn: timed(fn)):
+                times[name].append(wall)
+                cpu[name].append(used)
     result = {
         "dtype": str(dtype).removeprefix("torch."),
         "segment_mm": "tiled (CUDA float32 path)" if cuda_segments else "grouped_mm (CPU path)",
@@ -225,6 +231,7 @@ def measure(args, dtype: torch.dtype, cuda_segments: bool) -> dict:
         result["steps"][name] = {
             "ms": statistics.median(times[name]) * 1e3,
             "ms_iqr": [q * 1e3 for q in statistics.quantiles(times[name], n=4)[::2]],
+            "cpu_ms": statistics.median(cpu[name]) * 1e3,
             "ops": sum(c.ops.values()),
             "profiler_aten_events": prof[name],
             "by_phase": dict(cats.most_common()),
@@ -243,11 +250,15 @@ def print_row(res: dict, layers: int) -> None:
     steps = res["steps"]
     plain = steps["plain"]
     print(f"\n== {res['dtype']}, segment_mm: {res['segment_mm']}")
-    print(f"{'step':<22}{'ms':>8}{'ratio':>8}{'ops':>8}{'ops/layer':>11}{'extra/layer':>13}{'profiler':>10}")
+    print(
+        f"{'step':<22}{'ms':>8}{'ratio':>8}{'cpu ms':>8}{'ratio':>8}{'ops':>8}{'ops/layer':>11}{'extra/layer':>13}"
+        f"{'profiler':>10}"
+    )
     for name, s in steps.items():
         extra = (s["ops"] - plain["ops"]) / layers
         print(
-            f"{name:<22}{s['ms']:8.2f}{s['ms'] / plain['ms']:8.3f}{s['ops']:8d}{s['ops'] / layers:11.1f}"
+            f"{name:<22}{s['ms']:8.2f}{s['ms'] / plain['ms']:8.3f}"
+            f"{s['cpu_ms']:8.2f}{s['cpu_ms'] / plain['cpu_ms']:8.3f}{s['ops']:8d}{s['ops'] / layers:11.1f}"
             f"{extra:13.1f}{s['profiler_aten_events']:10d}"
         )
     print("collect+build tail ops by phase (plain step for reference):")
