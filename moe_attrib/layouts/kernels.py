@@ -20,12 +20,14 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
+    """16-byte aligned data and strides (what grouped_mm needs), checked on every call: plain loops, no generators."""
     for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or any(
-            (s * size) % 16 for s, d in zip(t.stride(), t.shape, strict=True) if d > 1 and s != 1
-        ):
+        if t.data_ptr() % 16:
             return False
+        size = t.element_size()
+        for s, d in zip(t.stride(), t.shape, strict=True):
+            if d > 1 and s != 1 and (s * size) % 16:
+                return False
     return True
 
 
