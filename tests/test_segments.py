@@ -11,6 +11,7 @@ import moe_attrib as ma
 import moe_attrib.collector as collector_module
 from moe_attrib.layouts import Kernels
 from moe_attrib.layouts.kernels import tiled_segment_mm
+from moe_attrib.layouts.routed import route_rows
 from moe_attrib.zoo import tiny_model
 
 
@@ -116,8 +117,6 @@ def test_formation_memory_is_sized_by_routed_rows(kernel, monkeypatch):
 def test_route_rows_orders_rows_expert_then_token_then_slot(experts, tokens, k):
     """route_rows against a Python sort of (expert, token, slot): rows, permutation, offsets; repeated
     experts within a token (zero-compute experts clamp several slots to one id) keep slot order."""
-    from moe_attrib.layouts.routed import route_rows
-
     gen = torch.Generator().manual_seed(experts + tokens)
     index = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
     index[::3, : min(2, k)] = experts - 1  # some tokens pick one expert in two slots
