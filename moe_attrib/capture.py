@@ -59,8 +59,10 @@ class RoutedGrid:
     Rows are sorted expert-major then by token, so segment `s = expert * N + example` is a
     contiguous run of rows: `ends[s]` (int32 `[segments]`) is one past its last row, and
     `seg[r]` (long) is row r's segment, `segments` (= `E * N`) for rows of zero-compute experts
-    (`trash` set), which sit after every real segment. Consumers form per-segment sums sized by
-    the routed rows (`Kernels.segment_mm`), never a padded per-example grid.
+    (`trash` set), which sit after every real segment. `bounds` (int32 `[segments + 1]`) is `ends`
+    followed by the number of rows, so the rows past the last segment form one more (dropped) segment.
+    Consumers form per-segment sums sized by the routed rows (`Kernels.segment_mm`), never a padded
+    per-example grid.
     """
 
     rows: RoutedRows
@@ -68,6 +70,7 @@ class RoutedGrid:
     ends: torch.Tensor
     segments: int
     trash: bool
+    bounds: torch.Tensor
 
 
 @dataclass
@@ -281,18 +284,19 @@ class Capture:
         if not isinstance(y, torch.Tensor) or not y.requires_grad or self._paused:
             return
         name = target.name
-        x = self._per_example(x.detach().reshape(-1, x.shape[-1]))
+        # rows projected as one 2D matmul, then split into examples (a view): two ops fewer than a 3D matmul
+        x = x.detach().reshape(-1, x.shape[-1])
         p_in = self._project(name, "in", x.shape[-1], x)
-        x = self.kernels.matmul_fp32(x, p_in) if p_in is not None else x.float()
+        x = self._per_example(self.kernels.matmul_fp32(x, p_in) if p_in is not None else x.float())
         record = CaptureRecord(name, x, transposed, target.module._parameters.get("bias") is not None)
         self.records.append(record)
 
         def backward(g: torch.Tensor) -> None:
             if out_transposed:
                 g = g.transpose(-1, -2)
-            g = self._per_example(g.reshape(-1, g.shape[-1]))
+            g = g.reshape(-1, g.shape[-1])
             p_out = self._project(name, "out", g.shape[-1], g)
-            record.g = self.kernels.matmul_fp32(g, p_out) if p_out is not None else g.float()
+            record.g = self._per_example(self.kernels.matmul_fp32(g, p_out) if p_out is not None else g.float())
 
         y.register_hook(backward)
 
@@ -340,12 +344,14 @@ class Capture:
         if rows.num_tokens % n:
             raise RuntimeError(f"{layout.name}: {rows.num_tokens} tokens cannot be split into {n} examples.")
         per_example = rows.num_tokens // n
-        seg = rows.expert * n + rows.token // per_example
+        seg = torch.add(rows.token // per_example, rows.expert, alpha=n)  # expert * N + example, in two ops
         trash = rows.num_experts > e  # rows of zero-compute (identity) experts sit past the real ones
         if trash:
             valid = rows.expert < e
             seg = torch.where(valid, seg, e * n)
-        ends = torch.searchsorted(seg, torch.arange(1, e * n + 1, device=seg.device), out_int32=True)
+        # the ends of the E * N segments and of one more holding the remaining rows (every seg is <= E * N)
+        bounds = torch.searchsorted(seg, torch.arange(1, e * n + 2, device=seg.device), out_int32=True)
+        ends = bounds[:-1]
         real = batch.mask[rows.token] if batch.mask is not None and rows.num_tokens == batch.mask.numel() else None
         if real is None:
             real = torch.ones(seg.shape, device=seg.device)
@@ -353,7 +359,7 @@ class Capture:
             real = real * valid
         routed = torch.zeros(e * n + 1, device=seg.device).index_add_(0, seg, real)[:-1]
         self.counts[layout.name] = routed.view(e, n).t()
-        grid = RoutedGrid(rows, seg, ends, e * n, trash)
+        grid = RoutedGrid(rows, seg, ends, e * n, trash, bounds)
         rows.cache["grid"] = grid
         return grid
 
@@ -364,7 +370,7 @@ class Capture:
             return
         grid = self._routing_grid(layout, rows)
         e = layout.num_experts
-        offsets = rows.offsets[:e]
+        offsets = rows.offsets if rows.offsets.shape[0] == e else rows.offsets[:e]
         pname = f"{layout.name}.{proj}"
         in_features, out_features = layout.features(proj)
         x = x.detach()

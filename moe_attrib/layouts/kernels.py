@@ -20,12 +20,14 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
+    """16-byte aligned data and strides (what grouped_mm needs), checked on every call: plain loops, no generators."""
     for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or any(
-            (s * size) % 16 for s, d in zip(t.stride(), t.shape, strict=True) if d > 1 and s != 1
-        ):
+        if t.data_ptr() % 16:
             return False
+        size = t.element_size()
+        for s, d in zip(t.stride(), t.shape, strict=True):
+            if d > 1 and s != 1 and (s * size) % 16:
+                return False
     return True
 
 
@@ -150,10 +152,13 @@ class Kernels:
         return tiled_segment_mm(left, right, ends)
 
     def matmul_fp32(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """`(x @ w)` as float32; on CUDA with bf16/fp16 inputs one GEMM writes fp32 directly."""
+        """`(x @ w)` as float32; on CUDA with bf16/fp16 inputs one GEMM writes fp32 directly.
+        2D rows take one op (no reshapes around the GEMM)."""
         key = f"mm(out_dtype=float32)[{x.dtype}]"
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and key not in self.fallbacks:
             try:
+                if x.dim() == 2:
+                    return torch.mm(x, w, out_dtype=torch.float32)
                 flat = torch.mm(x.reshape(-1, x.shape[-1]), w, out_dtype=torch.float32)
                 return flat.view(*x.shape[:-1], w.shape[-1])
             except (RuntimeError, TypeError) as err:

@@ -18,16 +18,17 @@ from moe_attrib.layouts.kernels import Kernels
 
 
 def route_rows(top_k_index: torch.Tensor, num_tokens: int, num_experts: int) -> tuple[RoutedRows, torch.Tensor]:
-    """Sort (token, slot) pairs expert-major then token-major; returns rows and the slot permutation."""
+    """Sort (token, slot) pairs expert-major then token-major; returns rows and the slot permutation.
+
+    One stable sort of the expert ids: ties keep the (token, slot) order, so the rows of an expert
+    come token by token (what sorting `expert * tokens + token` gives, in six fewer ops per layer).
+    """
     k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1).long()
-    token = torch.arange(num_tokens * k, device=flat.device) // k
-    key, perm = torch.sort(flat * num_tokens + token)
-    expert = key // num_tokens
-    # searchsorted on the sorted keys, not bincount: bincount's output size needs a device sync
-    bounds = torch.arange(1, num_experts + 1, device=flat.device) * num_tokens
-    offsets = torch.searchsorted(key, bounds, out_int32=True)
-    return RoutedRows(expert, key % num_tokens, offsets, num_tokens, num_experts, perm, k), perm
+    expert, perm = torch.sort(top_k_index.reshape(-1).long(), stable=True)
+    # searchsorted on the sorted ids, not bincount: bincount's output size needs a device sync
+    bounds = torch.arange(1, num_experts + 1, device=expert.device)
+    offsets = torch.searchsorted(expert, bounds, out_int32=True)
+    return RoutedRows(expert, perm // k, offsets, num_tokens, num_experts, perm, k), perm
 
 
 class RoutedGather(torch.autograd.Function):
@@ -67,7 +68,7 @@ class RoutedCombine(torch.autograd.Function):
         ctx, rows: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor, perm: torch.Tensor
     ) -> torch.Tensor:
         tokens, k = weights.shape
-        dtype = torch.promote_types(rows.dtype, weights.dtype)
+        dtype = rows.dtype if rows.dtype == weights.dtype else torch.promote_types(rows.dtype, weights.dtype)
         slots = rows.index_select(0, inverse).to(dtype).view(tokens, k, rows.shape[-1])
         w = weights.to(dtype)
         ctx.save_for_backward(slots, w, perm)
@@ -93,9 +94,12 @@ class RoutedCombine(torch.autograd.Function):
 def _linear_rows(
     kernels: Kernels, layout: ExpertsLayout, proj: str, x: torch.Tensor, rows: RoutedRows, used: int
 ) -> torch.Tensor:
-    weight = layout.param(proj)[:used]
+    # a slice of the whole is one more op: slice only where it cuts
+    weight = layout.param(proj)
+    weight = weight if weight.shape[0] == used else weight[:used]
+    offsets = rows.offsets if rows.offsets.shape[0] == used else rows.offsets[:used]
     w = weight if layout.transposed else weight.transpose(-1, -2)
-    out = kernels.grouped_matmul(x, w, rows.offsets[:used])
+    out = kernels.grouped_matmul(x, w, offsets)
     bias = layout.bias(proj)
     if bias is not None:
         out = out + bias[rows.expert.clamp(max=used - 1)].to(out.dtype)
