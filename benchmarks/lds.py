@@ -76,6 +76,9 @@ CONFIGS = {
     # deeper, more experts, one output vocabulary for every domain: where the prompts and the routing,
     # not the output layer, tell the domains apart
     "cpu-deep": Config(layers=4, experts=16, shared_vocab=True),
+    # held out: added after the coupling's gamma was chosen on the four above, to check it on another
+    # family (OLMoE), depth, expert count and corpus seed
+    "cpu-heldout": Config(family="olmoe", layers=3, experts=12, shared_vocab=True, seed=1),
     "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
     "gpu": Config(
         hidden=256,
@@ -112,7 +115,7 @@ def corpus(cfg: Config, root: Path):
 
 
 def make_model(cfg: Config, vocab: int, device: str):
-    sizes = {"intermediate_size": cfg.moe_intermediate} if cfg.family == "gpt_oss" else {}
+    sizes = {"intermediate_size": cfg.moe_intermediate} if cfg.family in ("gpt_oss", "olmoe") else {}
     return tiny_model(
         cfg.family,
         seed=cfg.seed,
@@ -291,11 +294,14 @@ class Attribution:
         group=None,
         per_module_unit=False,
         kind=PROJECTION,
+        coupling="auto",
     ):
         index, q, rows = self.get(p, tracked, opt, kind)
         modules = groups(self.model)[group] if group else None
         if not per_module_unit:
-            return ma.score_matrix(index, q, ekfac=ekfac, unit_normalize=unit, modules=modules, device=self.device)
+            return ma.score_matrix(
+                index, q, ekfac=ekfac, unit_normalize=unit, modules=modules, coupling=coupling, device=self.device
+            )
         pre = ma.prepare_queries(index, q, ekfac=ekfac).double().numpy()
         total = np.zeros((pre.shape[0], rows.shape[0]))
         for b in index.blocks:  # every module block normalised to unit norm on both sides, then summed
@@ -318,17 +324,22 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
     v[f"default pipeline, v1 projection (every side to p={p0})"] = att.scores(
         p0, ekfac=att.ekfac(p0, **v1), unit=unit0, **v1
     )
+    v[f"default pipeline, no coupling (p={p0})"] = att.scores(p0, ekfac=ek, unit=unit0, coupling=None)
     v[f"default pipeline, not tracked (p={p0})"] = att.scores(
         p0, tracked=False, ekfac=att.ekfac(p0, tracked=False), unit=unit0
     )
     ek_exact = att.ekfac(None)
     v["exact rows, otherwise default"] = att.scores(None, ekfac=ek_exact, unit=unit0)
+    v["exact rows, no coupling"] = att.scores(None, ekfac=ek_exact, unit=unit0, coupling=None)
     v["exact, not tracked, EK-FAC"] = att.scores(None, tracked=False, ekfac=att.ekfac(None, tracked=False), unit=unit0)
     v["exact, no preconditioning"] = att.scores(None)
     v["exact, no preconditioning, cosine"] = att.scores(None, unit=True)
     v[f"exact, EK-FAC, unit_normalize={not unit0}"] = att.scores(None, ekfac=ek_exact, unit=not unit0)
     for group in GROUPS:
         v[f"exact, {group} alone, EK-FAC"] = att.scores(None, ekfac=ek_exact, group=group, unit=unit0)
+        v[f"exact, {group} alone, EK-FAC, no coupling"] = att.scores(
+            None, ekfac=ek_exact, group=group, unit=unit0, coupling=None
+        )
         v[f"exact, {group} alone, no preconditioning"] = att.scores(None, group=group, unit=unit0)
     for group in GROUPS:  # what `score --modules` gives on the default index: like for like with the default
         v[f"p={p0}, {group} alone, EK-FAC (the default index, --modules)"] = att.scores(
@@ -342,8 +353,10 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
         fisher = "sampled-label" if sampled else "empirical"
         for scope in DAMPING_SCOPES:
             for d in (1e-3, 0.1, 1.0, 10.0):
-                ek = att.ekfac(None, sampled=sampled, damping=d, scope=scope)
-                v[f"exact, {fisher} Fisher, damping {d:g} x mean over {scope}"] = att.scores(None, ekfac=ek, unit=unit0)
+                ek = att.ekfac(None, sampled=sampled, damping=d, scope=scope)  # as measured before the coupling
+                v[f"exact, {fisher} Fisher, damping {d:g} x mean over {scope}, no coupling"] = att.scores(
+                    None, ekfac=ek, unit=unit0, coupling=None
+                )
     v["exact, EK-FAC, per-module unit norm"] = att.scores(None, ekfac=ek_exact, per_module_unit=True)
     v["exact, no preconditioning, per-module unit norm"] = att.scores(None, per_module_unit=True)
     if any(name.endswith((".bias", "_bias")) for name, _ in att.model.named_parameters()):  # bias folding

@@ -33,7 +33,8 @@ from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 
 
 def checkpoint_scores(model, examples, queries, lm_head: str, root: Path) -> dict[str, np.ndarray]:
-    """Score matrices `[Q, N]` of one checkpoint: the default pipeline, exact rows, `lm_head` alone (exact)."""
+    """Score matrices `[Q, N]` of one checkpoint: the default pipeline (and without its coupling), exact rows,
+    `lm_head` alone (exact)."""
     out = {}
     for p in (DEFAULT_PROJECTION_DIM, None):
         path = root / f"index-{p}"
@@ -43,6 +44,8 @@ def checkpoint_scores(model, examples, queries, lm_head: str, root: Path) -> dic
         ek = ma.fit_ekfac(model, examples, projection_dim=p, progress=False)
         name = "default pipeline (p=32)" if p else "exact rows"
         out[name] = np.asarray(ma.score_matrix(index, q, ekfac=ek, device="cpu"))
+        if p:
+            out[f"{name}, no coupling"] = np.asarray(ma.score_matrix(index, q, ekfac=ek, coupling=None, device="cpu"))
         if p is None:
             alone = ma.score_matrix(index, q, ekfac=ek, modules=lm_head, device="cpu")
             out["lm_head alone (exact)"] = np.asarray(alone)

@@ -137,8 +137,13 @@ def fit_coupling(
     s = g.shape[0]
     chunks = range(0, s, CHUNK_ROWS)
     kernel = torch.empty(s, s, dtype=torch.float64, device=device)
+    keep_chunks = memory_needed(index, sample, rank) + 4 * s * columns <= memory_available(device)
+    kept: dict[int, torch.Tensor] = {}  # preconditioned chunks, reused by the second pass when they fit
     for at in tqdm(chunks, desc="coupling", unit="chunk", disable=not progress, leave=False):
-        kernel[at : at + CHUNK_ROWS] = (preconditioned(g[at : at + CHUNK_ROWS]) @ g.T).double()
+        p = preconditioned(g[at : at + CHUNK_ROWS])
+        kernel[at : at + CHUNK_ROWS] = (p @ g.T).double()
+        if keep_chunks:
+            kept[at] = p
     kernel = (kernel + kernel.T) / 2
     mean_self = float(kernel.diagonal().mean())
     w, u = torch.linalg.eigh(kernel)
@@ -153,7 +158,8 @@ def fit_coupling(
     left = g.T @ scale32
     right = torch.zeros_like(left)
     for at in chunks:
-        right += preconditioned(g[at : at + CHUNK_ROWS]).T @ scale32[at : at + CHUNK_ROWS]
+        p = kept.pop(at) if at in kept else preconditioned(g[at : at + CHUNK_ROWS])
+        right += p.T @ scale32[at : at + CHUNK_ROWS]
     settings = {
         "gamma": float(gamma),
         "rank": int(w.shape[0]),
