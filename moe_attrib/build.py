@@ -23,7 +23,7 @@ from moe_attrib.data import Example, fingerprint, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.index import FORMAT_VERSION, IndexWriter, column_plan, flatten_rows, part_dir
+from moe_attrib.index import DEFAULT_PROJECTION_DIM, FORMAT_VERSION, IndexWriter, column_plan, flatten_rows, part_dir
 from moe_attrib.pipeline import BackgroundWriter, HostCopy, batch_inputs, prefetch, to_device
 from moe_attrib.projection import PROJECTION, check_kind
 
@@ -69,7 +69,7 @@ def build_index(
     *,
     model_name: str = "",
     track_moe_experts: bool = True,
-    projection_dim: int = 16,
+    projection_dim: int | None = DEFAULT_PROJECTION_DIM,
     seed: int = 0,
     projection: str = PROJECTION,
     expert_blocks: str = "separate",

@@ -35,6 +35,7 @@ from moe_attrib.data import Example, token_batches
 from moe_attrib.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
+from moe_attrib.index import DEFAULT_PROJECTION_DIM
 from moe_attrib.layouts import Kernels
 from moe_attrib.pipeline import batch_inputs, prefetch, to_device
 from moe_attrib.projection import PROJECTION, Projections, check_kind, projection_kind, side_width
@@ -327,7 +328,7 @@ def fit_ekfac(
     *,
     track_moe_experts: bool = True,
     filter_modules: str | None = None,
-    projection_dim: int | None = None,
+    projection_dim: int | None = DEFAULT_PROJECTION_DIM,
     seed: int = 0,
     projection: str = PROJECTION,
     damping: float = DEFAULT_DAMPING,

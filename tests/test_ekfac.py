@@ -75,7 +75,7 @@ GPT_OSS_BIASED = [
 def test_expert_factors_equal_brute_force_covariances():
     model = tiny_model("qwen3_moe")
     exs = examples()
-    ek = fit_ekfac(model, exs, token_batch_size=40, progress=False, sampled_labels=False)
+    ek = fit_ekfac(model, exs, projection_dim=None, token_batch_size=40, progress=False, sampled_labels=False)
     A, G, count = brute_force_expert_covariances(model, exs)
     f = ek.factors["model.layers.0.mlp.experts.gate_up_proj"]
     assert torch.equal(f.tokens.float(), count)
@@ -87,7 +87,9 @@ def test_expert_factors_equal_brute_force_covariances():
 def test_corrected_eigenvalues_equal_mean_squared_rotated_gradients():
     model = tiny_model("gpt_oss")  # transposed layouts and biases (not folded here: see the next test)
     exs = examples(10)
-    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False, fold_bias=False)
+    ek = fit_ekfac(
+        model, exs, projection_dim=None, token_batch_size=1000, progress=False, sampled_labels=False, fold_bias=False
+    )
     ids, mask = collate(exs, list(range(len(exs))))
     grads = ma.per_example_gradients(model, ids, mask)
     for name in GPT_OSS_BIASED:
@@ -113,7 +115,7 @@ def test_folded_bias_factors_eigenvalues_and_preconditioning():
 
     model = tiny_model("gpt_oss")  # biases on attention, routers and experts; transposed experts
     exs = examples(10)
-    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False)
+    ek = fit_ekfac(model, exs, projection_dim=None, token_batch_size=1000, progress=False, sampled_labels=False)
     assert ek.settings["fold_bias"] is True
     ids, mask = collate(exs, list(range(len(exs))))
     inputs = []
@@ -151,7 +153,9 @@ def test_folded_bias_factors_eigenvalues_and_preconditioning():
     want_w, want_b = f.split(torch.linalg.solve(dense, f.augment(w, b).reshape(-1)).view(f.lam.shape))
     assert rel_err(got[: w.numel()], want_w.reshape(-1)) < 1e-5
     assert rel_err(got[w.numel() :], want_b) < 1e-5
-    unfolded = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False, fold_bias=False)
+    unfolded = fit_ekfac(
+        model, exs, projection_dim=None, token_batch_size=1000, progress=False, sampled_labels=False, fold_bias=False
+    )
     assert torch.equal(
         precondition_queries(query, blocks, unfolded, {"projection_dim": None, "seed": 0})[0, w.numel() :],
         query[0, w.numel() :],
@@ -161,7 +165,7 @@ def test_folded_bias_factors_eigenvalues_and_preconditioning():
 def test_projected_factors_are_projected_covariances():
     model = tiny_model("qwen3_moe")
     exs = examples(8)
-    full = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False)
+    full = fit_ekfac(model, exs, projection_dim=None, token_batch_size=1000, progress=False, sampled_labels=False)
     proj = fit_ekfac(model, exs, token_batch_size=1000, projection_dim=8, seed=3, progress=False, sampled_labels=False)
     name = "model.layers.1.mlp.experts.down_proj"
     p_in = projection_matrix(f"{name}/in", 8, 32, 3, batch=8).double()
@@ -174,7 +178,7 @@ def test_projected_factors_are_projected_covariances():
 def test_ekfac_beats_kfac_and_identity_on_an_exact_block_fisher(capsys):
     model = tiny_model("qwen3_moe")
     exs = examples(48, seed=1)
-    ek = fit_ekfac(model, exs, token_batch_size=1000, progress=False, sampled_labels=False)
+    ek = fit_ekfac(model, exs, projection_dim=None, token_batch_size=1000, progress=False, sampled_labels=False)
     ids, mask = collate(exs, list(range(48)))
     grads = ma.per_example_gradients(model, ids, mask)
     name = "model.layers.1.self_attn.k_proj"  # 32 x 64: a 2048 x 2048 block Fisher
@@ -213,7 +217,7 @@ def test_ekfac_beats_kfac_and_identity_on_an_exact_block_fisher(capsys):
 
 def test_save_load_round_trip(tmp_path):
     model = tiny_model("gpt_oss")
-    ek = fit_ekfac(model, examples(6), token_batch_size=1000, progress=False, out=tmp_path / "ek")
+    ek = fit_ekfac(model, examples(6), projection_dim=None, token_batch_size=1000, progress=False, out=tmp_path / "ek")
     back = load_ekfac(tmp_path / "ek")
     assert set(back.factors) == set(ek.factors)
     for name, f in ek.factors.items():
@@ -227,7 +231,7 @@ def test_save_load_round_trip(tmp_path):
 
 def test_memory_budget_refusal():
     with pytest.raises(FactorMemoryError, match="--projection_dim"):
-        fit_ekfac(tiny_model("qwen3_moe"), examples(2), max_memory_gib=1e-6, progress=False)
+        fit_ekfac(tiny_model("qwen3_moe"), examples(2), projection_dim=None, max_memory_gib=1e-6, progress=False)
 
 
 def test_cli_torchrun_two_ranks_equal_one(model_dir, tmp_path):  # noqa: F811
@@ -301,10 +305,34 @@ def test_cli_torchrun_two_ranks_equal_one(model_dir, tmp_path):  # noqa: F811
 def test_partitions_merge(tmp_path):
     model = tiny_model("qwen3_moe")
     exs = examples(6)
-    whole = fit_ekfac(model, exs, token_batch_size=1000, progress=False)
-    fit_ekfac(model, exs, token_batch_size=1000, filter_modules="model.layers.0.*", progress=False, out=tmp_path / "a")
-    fit_ekfac(model, exs, token_batch_size=1000, filter_modules="model.layers.1.*", progress=False, out=tmp_path / "b")
-    fit_ekfac(model, exs, token_batch_size=1000, filter_modules="lm_head", progress=False, out=tmp_path / "c")
+    whole = fit_ekfac(model, exs, projection_dim=None, token_batch_size=1000, progress=False)
+    fit_ekfac(
+        model,
+        exs,
+        projection_dim=None,
+        token_batch_size=1000,
+        filter_modules="model.layers.0.*",
+        progress=False,
+        out=tmp_path / "a",
+    )
+    fit_ekfac(
+        model,
+        exs,
+        projection_dim=None,
+        token_batch_size=1000,
+        filter_modules="model.layers.1.*",
+        progress=False,
+        out=tmp_path / "b",
+    )
+    fit_ekfac(
+        model,
+        exs,
+        projection_dim=None,
+        token_batch_size=1000,
+        filter_modules="lm_head",
+        progress=False,
+        out=tmp_path / "c",
+    )
     merged = load_ekfac([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
     assert set(merged.factors) == set(whole.factors)
     for name, f in whole.factors.items():

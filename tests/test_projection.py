@@ -256,7 +256,7 @@ def test_v2_ekfac_factors_are_covariances_of_partly_projected_rows(model):  # no
 
     ex, p, seed = examples(8), 32, 6
     kw = dict(token_batch_size=1000, progress=False, sampled_labels=False)
-    full = ma.fit_ekfac(model, ex, **kw)
+    full = ma.fit_ekfac(model, ex, projection_dim=None, **kw)
     proj = ma.fit_ekfac(model, ex, projection_dim=p, seed=seed, **kw)
     assert proj.settings["projection"] == pj.PROJECTION
     router, down = "model.layers.0.mlp.gate", "model.layers.1.mlp.experts.down_proj"  # router [8, 64]; down [64, 32]

@@ -62,7 +62,7 @@ def brute_force_covariances(model, exs, name):
 def test_ekfac_is_fitted_on_the_completion_only_loss():
     model = tiny_model("qwen3_moe")
     exs = prompt_completion_examples()
-    ek = fit_ekfac(model, exs, token_batch_size=64, sampled_labels=False, progress=False)
+    ek = fit_ekfac(model, exs, projection_dim=None, token_batch_size=64, sampled_labels=False, progress=False)
     for name in ("model.layers.1.self_attn.o_proj", "lm_head"):
         A, G = brute_force_covariances(model, exs, name)
         f = ek.factors[name]
@@ -130,7 +130,7 @@ def test_all_row_scores_equal_brute_force(small_index, kwargs, tmp_path):
 def test_damping_scopes_and_no_zero_damping():
     model = tiny_model("qwen3_moe")
     exs = [Example(0, [5, 9, 11])]  # 3 tokens x top-2: at least 2 of 8 experts receive none
-    ek = fit_ekfac(model, exs, token_batch_size=64, progress=False)
+    ek = fit_ekfac(model, exs, projection_dim=None, token_batch_size=64, progress=False)
     experts = ek.factors["model.layers.0.mlp.experts.gate_up_proj"]
     assert (experts.tokens == 0).any()
     expert = ek.with_damping(0.1, "expert").factors["model.layers.0.mlp.experts.gate_up_proj"]
