@@ -1,0 +1,77 @@
+"""LDS of the cross-module coupling's settings (gamma, sampled rows), on the cached LDS configurations.
+
+`benchmarks/lds.py` runs the default (gamma 30, every row up to 512) and the pipeline without the
+coupling; this sweeps gamma and the number of sampled rows on the default index (p=32, experts
+tracked, EK-FAC with the library's defaults), each with the paired bootstrap CI of its difference
+to the pipeline without coupling ("this - none": positive means the coupling helps):
+
+    python benchmarks/lds_coupling.py cpu cpu-gpt_oss cpu-shared cpu-deep cpu-heldout
+
+It reads the caches `lds.py` left (run `python benchmarks/lds.py --config NAME` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import lds  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import moe_attrib as ma  # noqa: E402
+from moe_attrib.data import load_examples  # noqa: E402
+
+GAMMAS = (10.0, 30.0, 100.0, 300.0, 1000.0)
+SAMPLES = ((64, 0), (64, 1), (128, 0), (128, 1))  # (rows, seed) at gamma 30
+
+
+def run(name: str, root: Path) -> dict[str, np.ndarray]:
+    c = lds.cache_dir(name, root)
+    if not (c / "subset_losses.npz").exists():
+        raise SystemExit(f"{c}: no cached subset losses; run `python benchmarks/lds.py --config {name}` first")
+    saved = np.load(c / "subset_losses.npz")
+    subsets, losses = saved["subsets"], saved["losses"]
+    tokenizer = AutoTokenizer.from_pretrained(c / "full-model")
+    model = AutoModelForCausalLM.from_pretrained(c / "full-model").eval()
+    examples = load_examples(str(c / "train.jsonl"), tokenizer)
+    queries = load_examples(str(c / "queries.jsonl"), tokenizer)
+    out: dict[str, np.ndarray] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ma.build_index(model, examples, Path(tmp) / "index", progress=False)
+        index = ma.load_index(Path(tmp) / "index")
+        q = ma.query_gradients(model, queries, index)
+        ek = ma.fit_ekfac(model, examples, progress=False)
+
+        def lds_of(coupling) -> np.ndarray:
+            return lds.per_query_lds(ma.score_matrix(index, q, ekfac=ek, coupling=coupling), subsets, losses)
+
+        out["no coupling (p=32, EK-FAC)"] = lds_of(None)
+        for gamma in GAMMAS:
+            out[f"gamma {gamma:g}, every row"] = lds_of(ma.fit_coupling(index, ekfac=ek, gamma=gamma))
+        for rows, seed in SAMPLES:
+            c30 = ma.fit_coupling(index, ekfac=ek, sample=rows, seed=seed)
+            out[f"gamma 30, {rows} of {len(examples)} rows (seed {seed})"] = lds_of(c30)
+    domains = [json.loads(line)["domain"] for line in (c / "queries.jsonl").read_text().splitlines()]
+    lds.print_variants(f"{name} ({len(queries)} queries, {len(subsets)} subset models)", out, domains, "none", 44)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="+", choices=sorted(lds.CONFIGS))
+    parser.add_argument("--cache", default=str(lds.ROOT / "benchmarks" / ".cache"))
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    for name in args.configs:
+        run(name, Path(args.cache))
+
+
+if __name__ == "__main__":
+    main()
