@@ -378,6 +378,40 @@ def cache_dir(name: str, root: Path) -> Path:
     return root / f"lds-{name}-{key}"
 
 
+@dataclass
+class Cached:
+    """What `lds.py` left for a configuration, as the attribution scripts read it back."""
+
+    dir: Path
+    subsets: np.ndarray
+    losses: np.ndarray
+    tokenizer: object
+    examples: list
+    queries: list
+    domains: list[str]
+
+    def model(self):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.dir / "full-model").eval()
+
+
+def load_cached(name: str, root: Path) -> Cached:
+    """The cached subset losses, tokenizer, data and query domains of configuration `name`; a clear
+    exit when `python benchmarks/lds.py --config NAME` has not run yet."""
+    from transformers import AutoTokenizer
+
+    c = cache_dir(name, root)
+    if not (c / "subset_losses.npz").exists():
+        raise SystemExit(f"{c}: no cached subset losses; run `python benchmarks/lds.py --config {name}` first")
+    saved = np.load(c / "subset_losses.npz")
+    tokenizer = AutoTokenizer.from_pretrained(c / "full-model")
+    examples = load_examples(str(c / "train.jsonl"), tokenizer)
+    queries = load_examples(str(c / "queries.jsonl"), tokenizer)
+    domains = [json.loads(line)["domain"] for line in (c / "queries.jsonl").read_text().splitlines()]
+    return Cached(c, saved["subsets"], saved["losses"], tokenizer, examples, queries, domains)
+
+
 def print_variants(title: str, variants: dict[str, np.ndarray], domains: list[str], against: str, width: int) -> None:
     """Per-query LDS of each variant: its mean, the paired bootstrap CI of its difference to the first
     variant (`this - {against}`) and its per-domain means (what lds_groups.py and lds_checkpoints.py print)."""

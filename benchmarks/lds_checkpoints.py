@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -25,10 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.data import load_examples  # noqa: E402
 from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 
 
@@ -54,14 +51,9 @@ def checkpoint_scores(model, examples, queries, lm_head: str, root: Path) -> dic
 
 def run(name: str, root: Path, epochs: list[int]) -> None:
     cfg = lds.CONFIGS[name]
-    c = lds.cache_dir(name, root)
-    if not (c / "subset_losses.npz").exists():
-        raise SystemExit(f"{c}: no cached subset losses; run `python benchmarks/lds.py --config {name}` first")
-    saved = np.load(c / "subset_losses.npz")
-    subsets, losses = saved["subsets"], saved["losses"]
-    tokenizer = AutoTokenizer.from_pretrained(c / "full-model")
-    examples = load_examples(str(c / "train.jsonl"), tokenizer)
-    queries = load_examples(str(c / "queries.jsonl"), tokenizer)
+    cached = lds.load_cached(name, root)
+    subsets, losses, tokenizer = cached.subsets, cached.losses, cached.tokenizer
+    examples, queries = cached.examples, cached.queries
     kept: dict[int, torch.nn.Module] = {}
 
     def keep(epoch: int, model: torch.nn.Module) -> None:
@@ -81,9 +73,8 @@ def run(name: str, root: Path, epochs: list[int]) -> None:
         variants[f"{key}, last checkpoint (epoch {last})"] = lds.per_query_lds(per_epoch[last][key], subsets, losses)
         mean = np.mean([per_epoch[e][key] for e in epochs], axis=0)
         variants[f"{key}, mean over epochs {epochs}"] = lds.per_query_lds(mean, subsets, losses)
-    domains = [json.loads(line)["domain"] for line in (c / "queries.jsonl").read_text().splitlines()]
     title = f"{name} ({len(queries)} queries, {len(subsets)} subset models)"
-    lds.print_variants(title, variants, domains, "first", 62)
+    lds.print_variants(title, variants, cached.domains, "first", 62)
     ens_default = variants[f"default pipeline (p=32), mean over epochs {epochs}"]
     ens_lm = variants[f"lm_head alone (exact), mean over epochs {epochs}"]
     lo, hi = lds.bootstrap(ens_default - ens_lm)

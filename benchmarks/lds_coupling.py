@@ -13,7 +13,6 @@ It reads the caches `lds.py` left (run `python benchmarks/lds.py --config NAME` 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -23,25 +22,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.data import load_examples  # noqa: E402
 
 GAMMAS = (10.0, 30.0, 100.0, 300.0, 1000.0)
 SAMPLES = ((64, 0), (64, 1), (128, 0), (128, 1))  # (rows, seed) at gamma 30
 
 
 def run(name: str, root: Path) -> dict[str, np.ndarray]:
-    c = lds.cache_dir(name, root)
-    if not (c / "subset_losses.npz").exists():
-        raise SystemExit(f"{c}: no cached subset losses; run `python benchmarks/lds.py --config {name}` first")
-    saved = np.load(c / "subset_losses.npz")
-    subsets, losses = saved["subsets"], saved["losses"]
-    tokenizer = AutoTokenizer.from_pretrained(c / "full-model")
-    model = AutoModelForCausalLM.from_pretrained(c / "full-model").eval()
-    examples = load_examples(str(c / "train.jsonl"), tokenizer)
-    queries = load_examples(str(c / "queries.jsonl"), tokenizer)
+    cached = lds.load_cached(name, root)
+    subsets, losses, examples, queries = cached.subsets, cached.losses, cached.examples, cached.queries
+    model = cached.model()
     out: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ma.build_index(model, examples, Path(tmp) / "index", progress=False)
@@ -58,8 +49,8 @@ def run(name: str, root: Path) -> dict[str, np.ndarray]:
         for rows, seed in SAMPLES:
             c30 = ma.fit_coupling(index, ekfac=ek, sample=rows, seed=seed)
             out[f"gamma 30, {rows} of {len(examples)} rows (seed {seed})"] = lds_of(c30)
-    domains = [json.loads(line)["domain"] for line in (c / "queries.jsonl").read_text().splitlines()]
-    lds.print_variants(f"{name} ({len(queries)} queries, {len(subsets)} subset models)", out, domains, "none", 44)
+    title = f"{name} ({len(queries)} queries, {len(subsets)} subset models)"
+    lds.print_variants(title, out, cached.domains, "none", 44)
     return out
 
 

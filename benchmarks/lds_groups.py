@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -27,10 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.data import load_examples  # noqa: E402
 
 COMBOS = [
     ("lm_head",),
@@ -48,15 +45,9 @@ def unit(x: np.ndarray) -> np.ndarray:
 
 
 def run(name: str, root: Path) -> dict[str, np.ndarray]:
-    c = lds.cache_dir(name, root)
-    if not (c / "subset_losses.npz").exists():
-        raise SystemExit(f"{c}: no cached subset losses; run `python benchmarks/lds.py --config {name}` first")
-    saved = np.load(c / "subset_losses.npz")
-    subsets, losses = saved["subsets"], saved["losses"]
-    tokenizer = AutoTokenizer.from_pretrained(c / "full-model")
-    model = AutoModelForCausalLM.from_pretrained(c / "full-model").eval()
-    examples = load_examples(str(c / "train.jsonl"), tokenizer)
-    queries = load_examples(str(c / "queries.jsonl"), tokenizer)
+    cached = lds.load_cached(name, root)
+    subsets, losses, examples, queries = cached.subsets, cached.losses, cached.examples, cached.queries
+    model = cached.model()
     groups = lds.groups(model)
     out: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,8 +91,7 @@ def run(name: str, root: Path) -> dict[str, np.ndarray]:
             for names in ((), ("lm_head",)):
                 label = f"{' + '.join(names) or 'all'}, damping {damping:g} x mean over {scope}"
                 out[label] = lds.per_query_lds(cosine(pre, names), subsets, losses)
-    domains = [json.loads(line)["domain"] for line in (c / "queries.jsonl").read_text().splitlines()]
-    lds.print_variants(f"{name} ({len(queries)} queries, {len(subsets)} subset models)", out, domains, "all", 44)
+    lds.print_variants(f"{name} ({len(queries)} queries, {len(subsets)} subset models)", out, cached.domains, "all", 44)
     return out
 
 

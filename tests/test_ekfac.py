@@ -305,34 +305,10 @@ def test_cli_torchrun_two_ranks_equal_one(model_dir, tmp_path):  # noqa: F811
 def test_partitions_merge(tmp_path):
     model = tiny_model("qwen3_moe")
     exs = examples(6)
-    whole = fit_ekfac(model, exs, projection_dim=None, token_batch_size=1000, progress=False)
-    fit_ekfac(
-        model,
-        exs,
-        projection_dim=None,
-        token_batch_size=1000,
-        filter_modules="model.layers.0.*",
-        progress=False,
-        out=tmp_path / "a",
-    )
-    fit_ekfac(
-        model,
-        exs,
-        projection_dim=None,
-        token_batch_size=1000,
-        filter_modules="model.layers.1.*",
-        progress=False,
-        out=tmp_path / "b",
-    )
-    fit_ekfac(
-        model,
-        exs,
-        projection_dim=None,
-        token_batch_size=1000,
-        filter_modules="lm_head",
-        progress=False,
-        out=tmp_path / "c",
-    )
+    kw = dict(projection_dim=None, token_batch_size=1000, progress=False)
+    whole = fit_ekfac(model, exs, **kw)
+    for part, modules in (("a", "model.layers.0.*"), ("b", "model.layers.1.*"), ("c", "lm_head")):
+        fit_ekfac(model, exs, filter_modules=modules, out=tmp_path / part, **kw)
     merged = load_ekfac([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
     assert set(merged.factors) == set(whole.factors)
     for name, f in whole.factors.items():
