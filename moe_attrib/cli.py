@@ -403,6 +403,10 @@ def cmd_score(args: argparse.Namespace) -> int:
             ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
         opts = dict(ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules, device=device)
         opts["coupling"] = fit_coupling(index, **opts, **coupled, progress=True) if coupled else None
+        if opts["coupling"] is not None:
+            st = opts["coupling"].settings
+            print(f"cross-module coupling: gamma {st['gamma']:g}, rank {st['rank']}, from {st['sample']} of "
+                  f"{st['rows']} index rows (--coupling_gamma 0 turns it off)")  # fmt: skip
         if others:
             result = averaged_scores(args, index, q, others, opts)
         else:

@@ -12,7 +12,7 @@ from moe_attrib.index import load_index
 from moe_attrib.precondition import precondition_queries
 from moe_attrib.score import ScoreError, query_gradients, score, score_matrix
 from tests.test_build import CORPUS, ENV, model_dir  # noqa: F401  (fixture)
-from tests.test_integrity import inproc
+from tests.test_integrity import cli, inproc
 from tests.test_score import built  # noqa: F401  (fixture)
 from tests.test_score_stream import write_index
 
@@ -112,9 +112,10 @@ def test_cli_scores_with_the_coupling_and_records_it(built, model_dir, tmp_path)
     outs = {}
     for name, extra in (("on", []), ("off", ["--coupling_gamma", 0])):
         out, matrix = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.npy"
-        res = inproc("score", "--index", root / "idx", model_dir, queries, "--ekfac", root / "ek", "--top_k", 3,
+        res = cli("score", "--index", root / "idx", model_dir, queries, "--ekfac", root / "ek", "--top_k", 3,
                   "--out", out, "--all_scores", matrix, *extra)  # fmt: skip
         assert res.returncode == 0, res.stderr[-2000:]
+        assert ("cross-module coupling: gamma 30, rank" in res.stdout) == (name == "on")
         outs[name] = (np.load(matrix), json.loads((tmp_path / f"{name}.npy.json").read_text()))
     assert outs["on"][1]["coupling"] == {"gamma": 30.0, "rank": 64, "sample": 512}
     assert outs["off"][1]["coupling"] is None
