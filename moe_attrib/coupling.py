@@ -132,7 +132,7 @@ def fit_coupling(
     def preconditioned(chunk: torch.Tensor) -> torch.Tensor:
         if ekfac is None:
             return chunk
-        p = precondition_queries(chunk.cpu(), index.blocks, ekfac, settings_of_index).to(device)
+        p = precondition_queries(chunk, index.blocks, ekfac, settings_of_index)  # on the rows' device
         return p if mask is None else p * mask.to(device)
 
     s = g.shape[0]
