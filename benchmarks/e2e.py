@@ -384,6 +384,43 @@ def phases_part(layers: int, p: int, steps: int, profile: bool = False) -> dict:
     return row
 
 
+def coupling_part(layers: int, examples: int, p: int) -> dict:
+    """The coupling's cost at full depth: `fit_coupling` (every index row, EK-FAC) against a
+    `score_matrix` pass over the same index, on the Qwen3-30B-A3B shape with `layers` layers."""
+    model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
+    exs = examples_for(model, examples)
+    path = Path("/tmp/e2e-coupling-index")
+    build_once(model, exs, path, p, "separate", 8192)
+    index = ma.load_index(path)
+    ek = ma.fit_ekfac(model, exs, projection_dim=p, token_batch_size=8192, progress=False, factor_device="cuda")
+    q = ma.query_gradients(model, exs[:8], index)
+
+    def clock(fn):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - start
+
+    coupling, fit_s = clock(lambda: ma.fit_coupling(index, ekfac=ek, device="cuda"))
+    coupling, fit2_s = clock(lambda: ma.fit_coupling(index, ekfac=ek, device="cuda"))
+    _, plain_s = clock(lambda: ma.score_matrix(index, q, ekfac=ek, coupling=None, device="cuda"))
+    _, coupled_s = clock(lambda: ma.score_matrix(index, q, ekfac=ek, coupling=coupling, device="cuda"))
+    row = {
+        "row": f"coupling, qwen3 shape, {layers} layers, {examples} rows, p={p}",
+        "columns": int(index.gradients.shape[1]),
+        "rows": int(index.gradients.shape[0]),
+        "coupling": coupling.settings,
+        "fit_s": fit_s,
+        "fit_second_s": fit2_s,
+        "score_matrix_s": plain_s,
+        "score_matrix_coupled_s": coupled_s,
+    }
+    print(json.dumps(row), flush=True)
+    shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -424,6 +461,9 @@ def main() -> None:
         results["build"] = build_part(
             args.build_layers, args.build_examples, args.projection_dim, args.rounds, args.profile, args.build_recompute
         )
+        save()
+    if "coupling" in args.parts:
+        results["coupling"] = coupling_part(args.build_layers, args.build_examples, args.projection_dim)
         save()
     if "memory48" in args.parts:
         results["memory48"] = memory_part(48, 64, args.projection_dim, args.memory_tokens)
