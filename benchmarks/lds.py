@@ -382,6 +382,7 @@ def cache_dir(name: str, root: Path) -> Path:
 class Cached:
     """What `lds.py` left for a configuration, as the attribution scripts read it back."""
 
+    name: str
     dir: Path
     subsets: np.ndarray
     losses: np.ndarray
@@ -389,6 +390,10 @@ class Cached:
     examples: list
     queries: list
     domains: list[str]
+
+    @property
+    def title(self) -> str:
+        return f"{self.name} ({len(self.queries)} queries, {len(self.subsets)} subset models)"
 
     def model(self):
         from transformers import AutoModelForCausalLM
@@ -409,7 +414,15 @@ def load_cached(name: str, root: Path) -> Cached:
     examples = load_examples(str(c / "train.jsonl"), tokenizer)
     queries = load_examples(str(c / "queries.jsonl"), tokenizer)
     domains = [json.loads(line)["domain"] for line in (c / "queries.jsonl").read_text().splitlines()]
-    return Cached(c, saved["subsets"], saved["losses"], tokenizer, examples, queries, domains)
+    return Cached(name, c, saved["subsets"], saved["losses"], tokenizer, examples, queries, domains)
+
+
+def cached_configs_parser(description: str) -> argparse.ArgumentParser:
+    """The command line of the scripts that read `lds.py`'s caches: the configurations and the cache."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("configs", nargs="+", choices=sorted(CONFIGS))
+    parser.add_argument("--cache", default=str(ROOT / "benchmarks" / ".cache"))
+    return parser
 
 
 def print_variants(title: str, variants: dict[str, np.ndarray], domains: list[str], against: str, width: int) -> None:

@@ -13,7 +13,6 @@ are averaged. Reads the caches `lds.py` left (run `python benchmarks/lds.py --co
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import tempfile
@@ -73,8 +72,7 @@ def run(name: str, root: Path, epochs: list[int]) -> None:
         variants[f"{key}, last checkpoint (epoch {last})"] = lds.per_query_lds(per_epoch[last][key], subsets, losses)
         mean = np.mean([per_epoch[e][key] for e in epochs], axis=0)
         variants[f"{key}, mean over epochs {epochs}"] = lds.per_query_lds(mean, subsets, losses)
-    title = f"{name} ({len(queries)} queries, {len(subsets)} subset models)"
-    lds.print_variants(title, variants, cached.domains, "first", 62)
+    lds.print_variants(cached.title, variants, cached.domains, "first", 62)
     ens_default = variants[f"default pipeline (p=32), mean over epochs {epochs}"]
     ens_lm = variants[f"lm_head alone (exact), mean over epochs {epochs}"]
     lo, hi = lds.bootstrap(ens_default - ens_lm)
@@ -83,9 +81,7 @@ def run(name: str, root: Path, epochs: list[int]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("configs", nargs="+", choices=sorted(lds.CONFIGS))
-    parser.add_argument("--cache", default=str(lds.ROOT / "benchmarks" / ".cache"))
+    parser = lds.cached_configs_parser(__doc__.splitlines()[0])
     parser.add_argument("--epochs", default="2,4,6,8,10", help="checkpoints to average (the last is the model)")
     args = parser.parse_args()
     torch.set_num_threads(2)

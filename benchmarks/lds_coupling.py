@@ -12,7 +12,6 @@ It reads the caches `lds.py` left (run `python benchmarks/lds.py --config NAME` 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -49,16 +48,12 @@ def run(name: str, root: Path) -> dict[str, np.ndarray]:
         for rows, seed in SAMPLES:
             c30 = ma.fit_coupling(index, ekfac=ek, sample=rows, seed=seed)
             out[f"gamma 30, {rows} of {len(examples)} rows (seed {seed})"] = lds_of(c30)
-    title = f"{name} ({len(queries)} queries, {len(subsets)} subset models)"
-    lds.print_variants(title, out, cached.domains, "none", 44)
+    lds.print_variants(cached.title, out, cached.domains, "none", 44)
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("configs", nargs="+", choices=sorted(lds.CONFIGS))
-    parser.add_argument("--cache", default=str(lds.ROOT / "benchmarks" / ".cache"))
-    args = parser.parse_args()
+    args = lds.cached_configs_parser(__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(2)
     for name in args.configs:
         run(name, Path(args.cache))

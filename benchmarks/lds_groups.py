@@ -15,7 +15,6 @@ A combination is scored as the cosine over the concatenated blocks of its groups
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import sys
 import tempfile
@@ -91,15 +90,12 @@ def run(name: str, root: Path) -> dict[str, np.ndarray]:
             for names in ((), ("lm_head",)):
                 label = f"{' + '.join(names) or 'all'}, damping {damping:g} x mean over {scope}"
                 out[label] = lds.per_query_lds(cosine(pre, names), subsets, losses)
-    lds.print_variants(f"{name} ({len(queries)} queries, {len(subsets)} subset models)", out, cached.domains, "all", 44)
+    lds.print_variants(cached.title, out, cached.domains, "all", 44)
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("configs", nargs="+", choices=sorted(lds.CONFIGS))
-    parser.add_argument("--cache", default=str(lds.ROOT / "benchmarks" / ".cache"))
-    args = parser.parse_args()
+    args = lds.cached_configs_parser(__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(2)
     for name in args.configs:
         run(name, Path(args.cache))

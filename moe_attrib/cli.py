@@ -369,10 +369,10 @@ def cmd_score(args: argparse.Namespace) -> int:
         check_model(settings, None, tokenizer, what=f"index {args.index}")
         train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
         queries = load_examples(args.queries, tokenizer, args.text_field, settings.get("max_length"), True)
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # --fsdp: its rank's
         coupled = coupling_args(args)
         if coupled:  # before the model is loaded
-            where = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            check_coupling_memory(index, args.coupling_sample, where, args.coupling_rank)
+            check_coupling_memory(index, args.coupling_sample, device, args.coupling_rank)
         scored_with = (args.unit_normalize, args.modules, bool(ekfac_dirs), coupled)
         own = matrix_info(index, fingerprint(queries), len(queries), *scored_with)
         others = load_matrices(args.average_with, own) if args.average_with else []  # checked before any work
@@ -391,7 +391,6 @@ def cmd_score(args: argparse.Namespace) -> int:
         check_model(settings, model, what=f"index {args.index}")
         check_token_ids(queries, model.get_input_embeddings().num_embeddings, args.queries)
         if dist is None:
-            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             model = model.to(device)
         ekfac = load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]) if ekfac_dirs else None
         pad = getattr(tokenizer, "pad_token_id", None) or 0

@@ -59,10 +59,12 @@ def prepare_queries(
     unit_normalize: bool = False,
     modules: str | None = None,
     coupling: Coupling | str | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
 ) -> torch.Tensor:
     """Query rows as they are multiplied with the index: EK-FAC preconditioned, restricted to the
     blocks matching `modules` (other columns zero), coupled across modules (`coupling`: a fitted
-    `Coupling`, "auto" to fit one here, None for none) and/or unit-normalised."""
+    `Coupling`, "auto" to fit one here on `device`, None for none) and/or unit-normalised; on the CPU."""
     q = (
         queries.detach().float().cpu()
         if isinstance(queries, torch.Tensor)
@@ -76,7 +78,9 @@ def prepare_queries(
         q = precondition_queries(q, index.blocks, ekfac, index.manifest["settings"])
     if mask is not None:
         q = q * mask
-    coupling = resolve_coupling(index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules)
+    coupling = resolve_coupling(
+        index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, device=device, progress=progress
+    )
     if coupling is not None:
         q = coupling.apply(q)
     if unit_normalize:
@@ -147,12 +151,10 @@ def score(
     from `fit_coupling` to reuse one; None: off) adds the cross-module correction.
     """
     device = _device(device)
-    coupling = resolve_coupling(
-        index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, device=device, progress=progress
-    )
     q = prepare_queries(
-        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling
-    ).to(device)
+        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, device=device,
+        progress=progress,
+    ).to(device)  # fmt: skip
     k = min(top_k, index.gradients.shape[0])
     best_v = torch.full((q.shape[0], k), -torch.inf, device=device)
     best_i = torch.zeros((q.shape[0], k), dtype=torch.long, device=device)
@@ -195,12 +197,10 @@ def hit_parts(
     """Per-block parts `[Q, k, blocks]` of each query's score against the index rows `rows` `[Q, k]`
     (what `score(per_module=True)` gives for its own top-k rows), e.g. for rows ranked elsewhere."""
     device = _device(device)
-    coupling = resolve_coupling(
-        index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, device=device, progress=progress
-    )
     q = prepare_queries(
-        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling
-    ).to(device)
+        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, device=device,
+        progress=progress,
+    ).to(device)  # fmt: skip
     return _parts(index, q, torch.as_tensor(np.asarray(rows), device=device), unit_normalize, modules, device)
 
 
@@ -228,12 +228,10 @@ def score_matrix(
     CUDA each block's scores come back through a pinned buffer while the next block is scored.
     """
     device = _device(device)
-    coupling = resolve_coupling(
-        index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, device=device, progress=progress
-    )
     q = prepare_queries(
-        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling
-    ).to(device)
+        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, device=device,
+        progress=progress,
+    ).to(device)  # fmt: skip
     shape = (q.shape[0], index.gradients.shape[0])
     if out is None:
         result = np.empty(shape, dtype=np.float32)
