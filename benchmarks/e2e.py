@@ -101,13 +101,30 @@ def expert_share(counts: torch.Tensor, top: int = 8) -> float:
     return float(share.mean())
 
 
-def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds: int, profile: bool = False) -> dict:
+def cast_matmul(kernels) -> None:
+    """`kernels.matmul_fp32` as `mm(x.float(), w32)`, each projection cast to float32 once (a variant
+    timed beside the library's `mm(out_dtype=float32)`, `--collect_cast`)."""
+    cast: dict = {}
+
+    def matmul_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        key = (w.data_ptr(), tuple(w.shape))
+        if key not in cast:
+            cast[key] = w.float()
+        flat = torch.mm(x.reshape(-1, x.shape[-1]).float(), cast[key])
+        return flat if x.dim() == 2 else flat.view(*x.shape[:-1], w.shape[-1])
+
+    kernels.matmul_fp32 = matmul_fp32
+
+
+def collect_row(
+    name: str, model, ids: torch.Tensor, p: int, steps: int, rounds: int, profile: bool = False, cast: bool = False
+) -> dict:
     ids = ids.cuda()
     mask = torch.ones_like(ids)
     labels = ids.clone()
     report = ma.discover(model, track_moe_experts=True, warn=False)
-    times: dict[str, list[float]] = {"plain": [], "collect": [], "floor": []}
-    peaks = {"plain": 0, "collect": 0, "floor": 0}
+    times: dict[str, list[float]] = {"plain": [], "collect": [], "floor": [], "collect_cast": []}
+    peaks = {"plain": 0, "collect": 0, "floor": 0, "collect_cast": 0}
     share = None
     for _ in range(rounds):
         _, t, m = timed(lambda: plain_step(model, ids, mask, labels), 2, steps)
@@ -124,6 +141,13 @@ def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds:
             _, t, m = timed(lambda c=c: c.collect(ids, mask, labels, fused_experts=True), 2, steps)
         times["collect"] += t
         peaks["collect"] = max(peaks["collect"], m)
+        if cast:
+            with GradientCollector(model, report, projection_dim=p) as c:
+                cast_matmul(c.kernels)
+                c.collect(ids, mask, labels, fused_experts=True)
+                _, t, m = timed(lambda c=c: c.collect(ids, mask, labels, fused_experts=True), 2, steps)
+            times["collect_cast"] += t
+            peaks["collect_cast"] = max(peaks["collect_cast"], m)
     if profile:
         from collect_speed import profile_steps
 
@@ -151,6 +175,10 @@ def collect_row(name: str, model, ids: torch.Tensor, p: int, steps: int, rounds:
         "rounds": rounds,
         "steps_per_round": steps,
     }
+    if cast:
+        row["collect_cast_ms"] = statistics.median(times["collect_cast"]) * 1e3
+        row["collect_cast_ratio"] = statistics.median(times["collect_cast"]) / plain
+        row["collect_cast_memory_ratio"] = peaks["collect_cast"] / peaks["plain"]
     print(json.dumps(row), flush=True)
     return row
 
@@ -160,7 +188,7 @@ def iqr(values: list[float]) -> list[float]:
     return [q[0] * 1e3, q[2] * 1e3]
 
 
-def collect_part(p: int, steps: int, rounds: int, profile: bool = False) -> list[dict]:
+def collect_part(p: int, steps: int, rounds: int, profile: bool = False, cast: bool = False) -> list[dict]:
     rows = []
     model = make_model("qwen3-30b-a3b-shaped")
     for name, n, s, repeat in (
@@ -171,11 +199,11 @@ def collect_part(p: int, steps: int, rounds: int, profile: bool = False) -> list
         ("qwen3 4x4096", 4, 4096, 0.0),
     ):
         small = profile and n * s <= 1024
-        rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds, small))
+        rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds, small, cast))
     del model
     torch.cuda.empty_cache()
     model = make_model("olmoe-1b-7b-shaped")
-    rows.append(collect_row("olmoe 8x512", model, token_ids(model, 8, 512), p, steps, rounds))
+    rows.append(collect_row("olmoe 8x512", model, token_ids(model, 8, 512), p, steps, rounds, cast=cast))
     del model
     torch.cuda.empty_cache()
     return rows
@@ -433,6 +461,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of a build")
     parser.add_argument("--memory_tokens", type=int, nargs="+", default=[8192], help="memory48: token batch sizes")
     parser.add_argument("--build_recompute", action="store_true", help="build: also time builds with recompute")
+    parser.add_argument("--collect_cast", action="store_true", help="collect: also time the cast-matmul variant")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("e2e.py needs a CUDA GPU")
@@ -452,7 +481,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
     if "collect" in args.parts:
-        results["collect"] = collect_part(args.projection_dim, args.steps, args.rounds, args.profile)
+        results["collect"] = collect_part(args.projection_dim, args.steps, args.rounds, args.profile, args.collect_cast)
         save()
     if "phases" in args.parts:
         results["phases"] = phases_part(args.build_layers, args.projection_dim, args.steps, args.profile)
