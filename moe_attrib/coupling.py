@@ -46,7 +46,8 @@ class Coupling:
     """The low-rank cross-module correction of one index's scores (`left`, `right`: `[columns, r]`).
 
     `settings` says what it was fitted for (index rows and columns, `unit_normalize`, `modules`,
-    EK-FAC or none, gamma, rank, sample); `apply` refuses queries prepared any other way."""
+    the EK-FAC factors' weights, data and damping or none, gamma, rank, sample); `resolve_coupling`
+    refuses queries prepared any other way."""
 
     left: torch.Tensor
     right: torch.Tensor
@@ -85,6 +86,17 @@ def check_memory(index: Index, sample: int, device: torch.device, rank: int = DE
         f"{columns:,} columns, more than the {have / 2**30:.1f} GiB it may use on {device}: pass "
         f"--coupling_sample {max(fits, 1)} (fewer rows, a noisier estimate) or --coupling_gamma 0 (no coupling)."
     )
+
+
+EKFAC_IDENTITY = ("model_fingerprint", "examples", "damping", "damping_scope", "sampled_labels", "fold_bias", "projection")
+
+
+def ekfac_identity(ekfac: EKFAC | None) -> dict | None:
+    """What a coupling records of the factors it was fitted with (their weights, data and damping):
+    queries preconditioned with other factors would be corrected by the wrong `B^-1`."""
+    if ekfac is None:
+        return None
+    return {key: ekfac.settings.get(key) for key in EKFAC_IDENTITY}
 
 
 def sample_rows(rows: int, sample: int, seed: int) -> np.ndarray:
@@ -171,7 +183,7 @@ def fit_coupling(
         "columns": int(columns),
         "unit_normalize": bool(unit_normalize),
         "modules": modules,
-        "ekfac": ekfac is not None,
+        "ekfac": ekfac_identity(ekfac),
     }
     return Coupling(left.cpu(), right.cpu(), settings)
 
@@ -201,7 +213,7 @@ def resolve_coupling(
         "columns": int(index.gradients.shape[1]),
         "unit_normalize": bool(unit_normalize),
         "modules": modules,
-        "ekfac": ekfac is not None,
+        "ekfac": ekfac_identity(ekfac),
     }
     for key, value in want.items():
         if coupling.settings.get(key) != value:

@@ -81,6 +81,13 @@ def test_coupled_ekfac_scores_equal_the_dense_inverse(built):  # noqa: F811
     got = score_matrix(index, q, ekfac=ek, device="cpu")  # the default: coupling fitted here ("auto")
     assert np.allclose(got, expected, rtol=1e-3, atol=1e-4)
     assert np.array_equal(score(index, q, ekfac=ek, top_k=3, device="cpu").rows, np.argsort(-expected, 1)[:, :3])
+    fitted = fit_coupling(index, ekfac=ek)  # by hand: checked against the factors the queries use
+    assert np.allclose(score_matrix(index, q, ekfac=ek, coupling=fitted, device="cpu"), expected, rtol=1e-3, atol=1e-4)
+    other = ek.with_damping(10 * ek.settings["damping"], ek.settings["damping_scope"])
+    with pytest.raises(ScoreError, match="fitted with ekfac=.*'damping'"):
+        score_matrix(index, q, ekfac=other, coupling=fitted, device="cpu")
+    with pytest.raises(ScoreError, match="ekfac=None"):
+        score_matrix(index, q, ekfac=None, coupling=fitted, device="cpu")
 
 
 def test_a_coupling_fitted_for_other_scoring_is_refused(tmp_path):
