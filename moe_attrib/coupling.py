@@ -88,11 +88,13 @@ def check_memory(index: Index, sample: int, device: torch.device, rank: int = DE
     )
 
 
-EKFAC_IDENTITY = ("model_fingerprint", "examples", "damping", "damping_scope", "sampled_labels", "fold_bias", "projection")
+EKFAC_IDENTITY = (
+    "model_fingerprint", "examples", "damping", "damping_scope", "sampled_labels", "fold_bias", "projection",
+)  # fmt: skip
 
 
 def ekfac_identity(ekfac: EKFAC | None) -> dict | None:
-    """What a coupling records of the factors it was fitted with (their weights, data and damping):
+    """What a coupling records of the factors it was fitted with (weights, examples, damping, Fisher):
     queries preconditioned with other factors would be corrected by the wrong `B^-1`."""
     if ekfac is None:
         return None
