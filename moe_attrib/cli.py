@@ -348,7 +348,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from moe_attrib.fingerprint import FingerprintError, check_model
     from moe_attrib.index import IndexFileError, load_index
     from moe_attrib.results import results_format, write_results
-    from moe_attrib.score import ScoreError, query_gradients, score, score_matrix
+    from moe_attrib.score import ScoreError, query_gradients, score
 
     try:
         check_model_spec(args.model)
@@ -406,12 +406,10 @@ def cmd_score(args: argparse.Namespace) -> int:
             st = opts["coupling"].settings
             print(f"cross-module coupling: gamma {st['gamma']:g}, rank {st['rank']}, from {st['sample']} of "
                   f"{st['rows']} index rows (--coupling_gamma 0 turns it off)")  # fmt: skip
-        if others:
-            result = averaged_scores(args, index, q, others, opts)
+        if others or args.all_scores:  # one pass over the index: the top-k is read back from the matrix
+            result = matrix_scores(args, index, q, others, opts)
         else:
             result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
-            if args.all_scores:
-                score_matrix(index, q, out=args.all_scores, **opts)
         if args.all_scores:
             write_info(args.all_scores, own)
     except (DataError, IndexFileError, ScoreError, FingerprintError, UsageError, FileNotFoundError, ValueError) as err:
@@ -434,10 +432,11 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
-def averaged_scores(args: argparse.Namespace, index, q, others: list, opts: dict):
-    """`score --average_with`: top-k of the mean of this run's score matrix and `others` (other
-    checkpoints', checked by `load_matrices`); per-module parts, if asked, are this checkpoint's part
-    of each averaged hit."""
+def matrix_scores(args: argparse.Namespace, index, q, others: list, opts: dict):
+    """`score --all_scores` / `--average_with`: the top-k of this run's score matrix (written to
+    `--all_scores`, else a temporary file), or of its mean with `others` (other checkpoints',
+    checked by `load_matrices`), in one pass over the index; per-module parts, if asked, are this
+    checkpoint's part of each hit."""
     import tempfile
 
     from moe_attrib.ensemble import mean_top_k
@@ -448,7 +447,8 @@ def averaged_scores(args: argparse.Namespace, index, q, others: list, opts: dict
         values, rows = mean_top_k([mine, *others], args.top_k)
         del mine
     parts = hit_parts(index, q, rows, **opts) if args.per_module else None
-    print(f"ranked by the mean of {len(others) + 1} score matrices (this run's and --average_with's)")
+    if others:
+        print(f"ranked by the mean of {len(others) + 1} score matrices (this run's and --average_with's)")
     return Scores(values, rows, parts)
 
 

@@ -72,6 +72,25 @@ def test_average_with_ranks_by_the_mean_of_the_matrices(checkpoints):
         assert all(h["per_module"]["experts"] for h in hits)
 
 
+def test_all_scores_top_k_equals_a_plain_score_run(checkpoints):
+    """With --all_scores the top-k is read back from the written matrix (one pass over the index):
+    the same hits, scores and per-module parts as a run without it."""
+    root, ckpt, queries = checkpoints
+    runs = {}
+    for name, extra in (("plain", ()), ("matrix", ("--all_scores", root / "s-b3.npy"))):
+        out = root / f"r-b-{name}.jsonl"
+        score("--index", root / "idx-b", ckpt["b"], queries, "--per_module", "--out", out, *extra)
+        runs[name] = [json.loads(line)["results"] for line in out.read_text().splitlines()]
+    assert np.allclose(np.load(root / "s-b3.npy"), np.load(root / "s-b.npy"), atol=1e-6)
+    for plain, matrix in zip(runs["plain"], runs["matrix"], strict=True):
+        assert [h["example"] for h in plain] == [h["example"] for h in matrix]
+        assert np.allclose([h["score"] for h in plain], [h["score"] for h in matrix], atol=1e-5)
+        for a, b in zip(plain, matrix, strict=True):
+            for kind, parts in a["per_module"].items():
+                assert parts.keys() == b["per_module"][kind].keys()
+                assert np.allclose(list(parts.values()), list(b["per_module"][kind].values()), atol=1e-6)
+
+
 def test_mean_top_k_in_blocks_equals_brute_force():
     rng = np.random.default_rng(1)
     mats = [rng.standard_normal((3, 1000)).astype(np.float32) for _ in range(3)]
