@@ -116,16 +116,54 @@ def cast_matmul(kernels) -> None:
     kernels.matmul_fp32 = matmul_fp32
 
 
+def graphed_collection(model, report, ids: torch.Tensor, labels: torch.Tensor, p: int) -> tuple:
+    """One collection step captured in a CUDA graph (a probe, `--collect_graph`): no attention mask
+    (transformers' mask check reads the mask on the host), warmed up on a side stream first.
+    Returns `(graph, its static result, max relative difference to an eager step on the same batch)`."""
+    with GradientCollector(model, report, projection_dim=p) as c:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                c.collect(ids, None, labels, fused_experts=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = c.collect(ids, None, labels, fused_experts=True)
+        eager = c.collect(ids, None, labels, fused_experts=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    diff = max(
+        float((static[k].float() - eager[k].float()).abs().max() / eager[k].float().abs().max().clamp_min(1e-30))
+        for k in eager
+    )
+    return graph, static, diff
+
+
 def collect_row(
-    name: str, model, ids: torch.Tensor, p: int, steps: int, rounds: int, profile: bool = False, cast: bool = False
+    name: str,
+    model,
+    ids: torch.Tensor,
+    p: int,
+    steps: int,
+    rounds: int,
+    profile: bool = False,
+    cast: bool = False,
+    graph: bool = False,
 ) -> dict:
     ids = ids.cuda()
     mask = torch.ones_like(ids)
     labels = ids.clone()
     report = ma.discover(model, track_moe_experts=True, warn=False)
-    times: dict[str, list[float]] = {"plain": [], "collect": [], "floor": [], "collect_cast": []}
-    peaks = {"plain": 0, "collect": 0, "floor": 0, "collect_cast": 0}
+    times: dict[str, list[float]] = {"plain": [], "collect": [], "floor": [], "collect_cast": [], "collect_graph": []}
+    peaks = {"plain": 0, "collect": 0, "floor": 0, "collect_cast": 0, "collect_graph": 0}
     share = None
+    graphed, graph_error = None, None
+    if graph:
+        try:
+            graphed = graphed_collection(model, report, ids, labels, p)
+        except Exception as err:  # a probe: the row records why capture failed
+            graph_error = f"{type(err).__name__}: {str(err)[:300]}"
     for _ in range(rounds):
         _, t, m = timed(lambda: plain_step(model, ids, mask, labels), 2, steps)
         times["plain"] += t
@@ -148,6 +186,10 @@ def collect_row(
                 _, t, m = timed(lambda c=c: c.collect(ids, mask, labels, fused_experts=True), 2, steps)
             times["collect_cast"] += t
             peaks["collect_cast"] = max(peaks["collect_cast"], m)
+        if graphed is not None:
+            _, t, m = timed(graphed[0].replay, 2, steps)
+            times["collect_graph"] += t
+            peaks["collect_graph"] = max(peaks["collect_graph"], m)
     if profile:
         from collect_speed import profile_steps
 
@@ -179,6 +221,14 @@ def collect_row(
         row["collect_cast_ms"] = statistics.median(times["collect_cast"]) * 1e3
         row["collect_cast_ratio"] = statistics.median(times["collect_cast"]) / plain
         row["collect_cast_memory_ratio"] = peaks["collect_cast"] / peaks["plain"]
+    if graph:
+        row["collect_graph_error"] = graph_error
+    if graphed is not None:
+        row["collect_graph_ms"] = statistics.median(times["collect_graph"]) * 1e3
+        row["collect_graph_ratio"] = statistics.median(times["collect_graph"]) / plain
+        row["collect_graph_memory_ratio"] = peaks["collect_graph"] / peaks["plain"]
+        row["collect_graph_max_rel_diff_to_eager"] = graphed[2]
+        del graphed
     print(json.dumps(row), flush=True)
     return row
 
@@ -188,7 +238,9 @@ def iqr(values: list[float]) -> list[float]:
     return [q[0] * 1e3, q[2] * 1e3]
 
 
-def collect_part(p: int, steps: int, rounds: int, profile: bool = False, cast: bool = False) -> list[dict]:
+def collect_part(
+    p: int, steps: int, rounds: int, profile: bool = False, cast: bool = False, graph: bool = False
+) -> list[dict]:
     rows = []
     model = make_model("qwen3-30b-a3b-shaped")
     for name, n, s, repeat in (
@@ -199,11 +251,11 @@ def collect_part(p: int, steps: int, rounds: int, profile: bool = False, cast: b
         ("qwen3 4x4096", 4, 4096, 0.0),
     ):
         small = profile and n * s <= 1024
-        rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds, small, cast))
+        rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds, small, cast, graph))
     del model
     torch.cuda.empty_cache()
     model = make_model("olmoe-1b-7b-shaped")
-    rows.append(collect_row("olmoe 8x512", model, token_ids(model, 8, 512), p, steps, rounds, cast=cast))
+    rows.append(collect_row("olmoe 8x512", model, token_ids(model, 8, 512), p, steps, rounds, cast=cast, graph=graph))
     del model
     torch.cuda.empty_cache()
     return rows
@@ -462,6 +514,7 @@ def main() -> None:
     parser.add_argument("--memory_tokens", type=int, nargs="+", default=[8192], help="memory48: token batch sizes")
     parser.add_argument("--build_recompute", action="store_true", help="build: also time builds with recompute")
     parser.add_argument("--collect_cast", action="store_true", help="collect: also time the cast-matmul variant")
+    parser.add_argument("--collect_graph", action="store_true", help="collect: also time a CUDA-graphed step (probe)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("e2e.py needs a CUDA GPU")
@@ -481,7 +534,9 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
     if "collect" in args.parts:
-        results["collect"] = collect_part(args.projection_dim, args.steps, args.rounds, args.profile, args.collect_cast)
+        results["collect"] = collect_part(
+            args.projection_dim, args.steps, args.rounds, args.profile, args.collect_cast, args.collect_graph
+        )
         save()
     if "phases" in args.parts:
         results["phases"] = phases_part(args.build_layers, args.projection_dim, args.steps, args.profile)
