@@ -52,11 +52,73 @@ def plain_forward_probe(model, ids: torch.Tensor) -> None:
     graph.replay()
     torch.cuda.synchronize()
     print(f"  plain forward graph vs eager, per layer: {[round(rel(x, y), 8) for x, y in zip(static, a, strict=True)]}")
+    layer = model.model.layers[0]
+    parts = {
+        "self_attn": layer.self_attn,
+        "mlp.gate": layer.mlp.gate,
+        "mlp.experts": layer.mlp.experts,
+        "mlp": layer.mlp,
+    }
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_hook(
+            lambda m, a, out, k=k: seen.__setitem__(k, (out[0] if isinstance(out, tuple) else out).clone())
+        )
+        for k, m in parts.items()
+    ]
+    try:
+        forward()
+        eager = dict(seen)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        graph.replay()
+        torch.cuda.synchronize()
+        print(f"  layer 0 parts, graph vs eager: {[(k, round(rel(seen[k], eager[k]), 8)) for k in parts]}")
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def backend_probe(model, ids: torch.Tensor) -> None:
+    """Per SDPA backend: eager default vs eager with that backend, and eager vs graph with it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def forward():
+        with torch.no_grad():
+            return model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+
+    default = forward()
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                eager = forward()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        forward()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static = forward()
+                graph.replay()
+                torch.cuda.synchronize()
+        except RuntimeError as err:
+            print(f"  {backend.name}: {str(err)[:200]}")
+            continue
+        vs_default = max(rel(x, y) for x, y in zip(eager, default, strict=True))
+        vs_graph = max(rel(x, y) for x, y in zip(static, eager, strict=True))
+        print(f"  {backend.name}: eager vs default eager {vs_default:.3g}, graph vs eager {vs_graph:.3g}", flush=True)
+        del graph, static
 
 
 def main() -> None:
     model = make_model("qwen3-30b-a3b-shaped")
     report = ma.discover(model, track_moe_experts=True, warn=False)
+    for shape in ((2, 512), (2, 4096)):
+        print(f"SDPA backends, {shape}", flush=True)
+        backend_probe(model, token_ids(model, *shape).cuda())
     plain_forward_probe(model, token_ids(model, 2, 512).cuda())
     for n, s in ((2, 512), (2, 4096)):
         ids = token_ids(model, n, s).cuda()
