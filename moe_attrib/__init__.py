@@ -1,5 +1,6 @@
 """moe-attrib: per-example gradient attribution for Mixture-of-Experts language models."""
 
+from moe_attrib.balance import Balance, fit_balance
 from moe_attrib.build import build_index
 from moe_attrib.collector import GradientCollector, PerExampleGradients, per_example_gradients
 from moe_attrib.coupling import Coupling, fit_coupling
@@ -20,6 +21,7 @@ from moe_attrib.score import (
 from moe_attrib.version import __version__
 
 __all__ = [
+    "Balance",
     "Coupling",
     "CoverageReport",
     "DataError",
@@ -37,6 +39,7 @@ __all__ = [
     "build_index",
     "discover",
     "expand_moe",
+    "fit_balance",
     "fit_coupling",
     "fit_ekfac",
     "load_ekfac",

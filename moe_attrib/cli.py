@@ -340,6 +340,7 @@ def training_examples(settings: dict, tokenizer, text_field: str) -> list:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
+    from moe_attrib.balance import DEFAULT_BALANCE_SAMPLE, fit_balance
     from moe_attrib.coupling import check_memory as check_coupling_memory
     from moe_attrib.coupling import fit_coupling
     from moe_attrib.data import DataError, check_token_ids, fingerprint, load_examples
@@ -373,7 +374,10 @@ def cmd_score(args: argparse.Namespace) -> int:
         coupled = coupling_args(args)
         if coupled:  # before the model is loaded
             check_coupling_memory(index, args.coupling_sample, device, args.coupling_rank)
-        scored_with = (args.unit_normalize, args.modules, bool(ekfac_dirs), coupled)
+        balanced = args.output_balance and args.modules is None  # a --modules score is never balanced
+        if balanced:
+            check_coupling_memory(index, DEFAULT_BALANCE_SAMPLE, device)
+        scored_with = (args.unit_normalize, args.modules, bool(ekfac_dirs), coupled, balanced)
         own = matrix_info(index, fingerprint(queries), len(queries), *scored_with)
         others = load_matrices(args.average_with, own) if args.average_with else []  # checked before any work
         dtype = getattr(torch, settings["dtype"].removeprefix("torch."))
@@ -406,6 +410,13 @@ def cmd_score(args: argparse.Namespace) -> int:
             st = opts["coupling"].settings
             print(f"cross-module coupling: gamma {st['gamma']:g}, rank {st['rank']}, from {st['sample']} of "
                   f"{st['rows']} index rows (--coupling_gamma 0 turns it off)")  # fmt: skip
+        opts["balance"] = None
+        if balanced:
+            fit_opts = {k: opts[k] for k in ("ekfac", "unit_normalize", "device")}
+            opts["balance"] = fit_balance(index, **fit_opts, coupling=coupled, progress=True)
+        if opts["balance"] is not None:
+            print(f"output-layer balance: lm_head's vote counted as much as the whole model's, spreads from "
+                  f"{opts['balance'].settings['sample']} index rows (--no-output_balance turns it off)")  # fmt: skip
         if others or args.all_scores:  # one pass over the index: the top-k is read back from the matrix
             result = matrix_scores(args, index, q, others, opts)
         else:
@@ -418,8 +429,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from moe_attrib.results import ResultsError
 
     try:
-        coupling = opts["coupling"]
-        records = result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, coupling, result)
+        records = result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, opts, result)
         write_results(records, args.out)
     except ResultsError as err:
         print(f"moe-attrib score: error: {err}", file=sys.stderr)
@@ -452,7 +462,7 @@ def matrix_scores(args: argparse.Namespace, index, q, others: list, opts: dict):
     return Scores(values, rows, parts)
 
 
-def result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, coupling, result) -> list[dict]:
+def result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, opts, result) -> list[dict]:
     """Score records with the query's routing and, for a token index, the hit examples' token shares."""
     import numpy as np
 
@@ -469,7 +479,8 @@ def result_records(args, index, queries, train, tokenizer, q, query_counts, ekfa
             ekfac=ekfac,
             unit_normalize=args.unit_normalize,
             modules=args.modules,
-            coupling=coupling,
+            coupling=opts["coupling"],
+            balance=opts["balance"],
         )
     return score_records(
         queries,
@@ -634,7 +645,8 @@ def add_damping_args(parser: argparse.ArgumentParser, override: bool = False) ->
 
 
 def add_coupling_args(parser: argparse.ArgumentParser) -> None:
-    """`--coupling_gamma/_rank/_sample`: the cross-module coupling of the scores (docs/scoring.md)."""
+    """`--coupling_gamma/_rank/_sample`: the cross-module coupling of the scores, and `--output_balance`
+    (docs/scoring.md)."""
     from moe_attrib.coupling import DEFAULT_GAMMA, DEFAULT_RANK, DEFAULT_SAMPLE
 
     parser.add_argument(
@@ -646,6 +658,13 @@ def add_coupling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coupling_rank", type=positive_int, default=DEFAULT_RANK, help="its rank")
     parser.add_argument(
         "--coupling_sample", type=positive_int, default=DEFAULT_SAMPLE, help="index rows it is fitted from"
+    )
+    parser.add_argument(
+        "--output_balance",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count the output layer's (lm_head's) vote as much as the whole model's (default: on; never with "
+        "--modules; docs/scoring.md)",
     )
 
 

@@ -179,6 +179,7 @@ def fit_coupling(
         "gamma": float(gamma),
         "rank": int(w.shape[0]),
         "sample": int(s),
+        "requested": {"rank": int(rank), "sample": int(sample)},  # before non-finite rows and null directions
         "seed": int(seed),
         "rows": int(n),
         "data_fingerprint": index.manifest["settings"].get("data_fingerprint"),

@@ -12,11 +12,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from moe_attrib.balance import Balance, resolve_balance
 from moe_attrib.coupling import Coupling, resolve_coupling
 from moe_attrib.data import Example
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Index
-from moe_attrib.score import DEFAULT_COUPLING, DEFAULT_UNIT_NORMALIZE, query_gradients, score_matrix
+from moe_attrib.score import DEFAULT_BALANCE, DEFAULT_COUPLING, DEFAULT_UNIT_NORMALIZE, query_gradients, score_matrix
 
 
 def query_expert_counts(
@@ -39,6 +40,7 @@ def token_scores(
     unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
     modules: str | None = None,
     coupling: Coupling | str | None = DEFAULT_COUPLING,
+    balance: Balance | str | None = DEFAULT_BALANCE,
 ) -> dict[int, np.ndarray]:
     """Scores of every query against every token row of the given example positions of a token
     index (`--attribute_tokens`): `{position: [Q, tokens]}`. Computed by `score_matrix` on a view of
@@ -50,9 +52,12 @@ def token_scores(
     if not positions:
         return {}
     coupling = resolve_coupling(index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules)
+    balance = resolve_balance(  # fitted on the whole index, not on the view below
+        index, balance, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling
+    )
     rows = np.concatenate([np.arange(offsets[p], offsets[p + 1]) for p in positions])
     view = replace(index, gradients=np.asarray(index.gradients[rows]), token_offsets=None)
-    opts = dict(ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling)
+    opts = dict(ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, balance=balance)
     full = score_matrix(view, queries, device="cpu", **opts)
     out, start = {}, 0
     for p in positions:

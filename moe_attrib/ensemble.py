@@ -29,6 +29,9 @@ class EnsembleError(ValueError):
     """Score matrices that cannot be averaged (other data, other queries, the same model twice)."""
 
 
+UNRECORDED = {"output_balance": False}  # what a matrix written before the key existed was scored with
+
+
 def matrix_info(
     index: Index,
     queries_fingerprint: str,
@@ -37,6 +40,7 @@ def matrix_info(
     modules: str | None,
     ekfac: bool,
     coupling: dict | None = None,
+    balance: bool = False,
 ) -> dict:
     """What a `[queries, rows]` score matrix of `index` belongs to (written beside it as `<file>.json`)."""
     settings = index.manifest["settings"]
@@ -52,6 +56,7 @@ def matrix_info(
         "modules": modules,
         "ekfac": bool(ekfac),
         "coupling": coupling,
+        "output_balance": bool(balance),
         "index": str(Path(index.path).resolve()),
     }
 
@@ -100,8 +105,9 @@ def load_matrices(paths: list[str], own: dict) -> list[np.ndarray]:
             ("modules", "--modules"),
             ("ekfac", "use of --ekfac"),
             ("coupling", "cross-module coupling (--coupling_*)"),
+            ("output_balance", "output-layer balance (--output_balance)"),
         ):
-            if info.get(key) != own.get(key):
+            if info.get(key, UNRECORDED.get(key)) != own.get(key):
                 raise EnsembleError(
                     f"--average_with {path}: scores another {what} than this run ({key} {info.get(key)!r} vs "
                     f"{own.get(key)!r}); average only matrices of the same data and queries, scored the same way."

@@ -2,7 +2,8 @@
 
 A score is the inner product of a query's projected gradient with a training row, optionally
 after EK-FAC preconditioning of the query (`g_q^T (F + damping)^-1 g_train`), the cross-module
-coupling (`moe_attrib.coupling`, on by default) and/or unit normalisation (cosine). The index is
+coupling (`moe_attrib.coupling`, on by default), unit normalisation (cosine) and the output-layer
+balance (`moe_attrib.balance`, on by default). The index is
 streamed in row blocks (`moe_attrib.stream`: threaded reads, pinned double buffers, copies
 overlapped with the arithmetic), so it never has to fit in memory; the running top-k stays on the
 device and is read back once.
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_attrib.balance import Balance, resolve_balance
 from moe_attrib.coupling import Coupling, resolve_coupling
 from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import discover
@@ -29,7 +31,9 @@ from moe_attrib.stream import DEFAULT_BLOCK_BYTES, DEFAULT_READER, ToHost, strea
 
 DEFAULT_UNIT_NORMALIZE = True  # cosine after preconditioning (docs/quality.md)
 DEFAULT_COUPLING = "auto"  # fit the cross-module coupling with its defaults (docs/quality.md)
+DEFAULT_BALANCE = "auto"  # balance the output layer's vote against the whole model's (docs/quality.md)
 __all__ = [
+    "Balance",
     "Coupling",
     "ScoreError",
     "Scores",
@@ -59,12 +63,15 @@ def prepare_queries(
     unit_normalize: bool = False,
     modules: str | None = None,
     coupling: Coupling | str | None = None,
+    balance: Balance | str | None = None,
     device: str | torch.device = "cpu",
     progress: bool = False,
 ) -> torch.Tensor:
     """Query rows as they are multiplied with the index: EK-FAC preconditioned, restricted to the
     blocks matching `modules` (other columns zero), coupled across modules (`coupling`: a fitted
-    `Coupling`, "auto" to fit one here on `device`, None for none) and/or unit-normalised; on the CPU."""
+    `Coupling`, "auto" to fit one here on `device`, None for none), unit-normalised, and with the
+    output layer's vote balanced against the whole model's (`balance`: a fitted `Balance`, "auto",
+    None; never with `modules`); on the CPU."""
     q = (
         queries.detach().float().cpu()
         if isinstance(queries, torch.Tensor)
@@ -76,15 +83,22 @@ def prepare_queries(
     if ekfac is not None:
         check_settings_match(index.manifest["settings"], ekfac.settings, a_name=f"index {index.path}", b_name="EK-FAC")
         q = precondition_queries(q, index.blocks, ekfac, index.manifest["settings"])
+    preconditioned = q
     if mask is not None:
         q = q * mask
     coupling = resolve_coupling(
         index, coupling, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, device=device, progress=progress
     )
+    balance = resolve_balance(
+        index, balance, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, device=device,
+        progress=progress,
+    )  # fmt: skip
     if coupling is not None:
         q = coupling.apply(q)
     if unit_normalize:
         q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    if balance is not None:
+        q = balance.apply(q, preconditioned)
     return q
 
 
@@ -135,6 +149,7 @@ def score(
     per_module: bool = False,
     modules: str | None = None,
     coupling: Coupling | str | None = DEFAULT_COUPLING,
+    balance: Balance | str | None = DEFAULT_BALANCE,
     block_rows: int | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     device: str | torch.device | None = None,
@@ -148,12 +163,13 @@ def score(
     running top-k on the device, so memory stays bounded whatever the index size; `threads` and
     `reader` tune the reads (`moe_attrib.stream`). `modules` (a glob over block names) scores
     through those blocks only. `coupling` ("auto": fitted here from the index's rows; a `Coupling`
-    from `fit_coupling` to reuse one; None: off) adds the cross-module correction.
+    from `fit_coupling` to reuse one; None: off) adds the cross-module correction, `balance`
+    ("auto", a `Balance` from `fit_balance`, None) the output-layer balance.
     """
     device = _device(device)
     q = prepare_queries(
-        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, device=device,
-        progress=progress,
+        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, balance=balance,
+        device=device, progress=progress,
     ).to(device)  # fmt: skip
     k = min(top_k, index.gradients.shape[0])
     best_v = torch.full((q.shape[0], k), -torch.inf, device=device)
@@ -191,6 +207,7 @@ def hit_parts(
     unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
     modules: str | None = None,
     coupling: Coupling | str | None = DEFAULT_COUPLING,
+    balance: Balance | str | None = DEFAULT_BALANCE,
     device: str | torch.device | None = None,
     progress: bool = False,
 ) -> np.ndarray:
@@ -198,8 +215,8 @@ def hit_parts(
     (what `score(per_module=True)` gives for its own top-k rows), e.g. for rows ranked elsewhere."""
     device = _device(device)
     q = prepare_queries(
-        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, device=device,
-        progress=progress,
+        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, balance=balance,
+        device=device, progress=progress,
     ).to(device)  # fmt: skip
     return _parts(index, q, torch.as_tensor(np.asarray(rows), device=device), unit_normalize, modules, device)
 
@@ -212,6 +229,7 @@ def score_matrix(
     unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
     modules: str | None = None,
     coupling: Coupling | str | None = DEFAULT_COUPLING,
+    balance: Balance | str | None = DEFAULT_BALANCE,
     out: str | Path | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     device: str | torch.device | None = None,
@@ -229,8 +247,8 @@ def score_matrix(
     """
     device = _device(device)
     q = prepare_queries(
-        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, device=device,
-        progress=progress,
+        index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, balance=balance,
+        device=device, progress=progress,
     ).to(device)  # fmt: skip
     shape = (q.shape[0], index.gradients.shape[0])
     if out is None:

@@ -47,11 +47,11 @@ def test_coupled_scores_equal_the_dense_inverse_without_ekfac(tmp_path, sample, 
     expected = brute(rows.astype(np.float64), q.astype(np.float64), np.eye(24), picked, 30.0, rank)
     c = fit_coupling(index, gamma=30.0, rank=rank, sample=sample, seed=7)
     assert c.settings["sample"] == len(picked) and c.settings["rank"] == min(rank, len(picked), 24)
-    got = score_matrix(index, q, coupling=c, device="cpu", block_rows=7)
+    got = score_matrix(index, q, coupling=c, balance=None, device="cpu", block_rows=7)
     assert np.allclose(got, expected, rtol=1e-4, atol=1e-5)
-    plain = score_matrix(index, q, coupling=None, device="cpu")
+    plain = score_matrix(index, q, coupling=None, balance=None, device="cpu")
     assert np.abs(plain - expected).max() > 1e-2  # the coupling changes the scores
-    top = score(index, q, top_k=5, coupling=c, per_module=True, device="cpu", block_rows=7)
+    top = score(index, q, top_k=5, coupling=c, balance=None, per_module=True, device="cpu", block_rows=7)
     assert np.array_equal(top.rows, np.argsort(-expected, axis=1)[:, :5])
     assert np.allclose(top.parts.sum(-1), top.values, rtol=1e-5, atol=1e-6)
 
@@ -78,11 +78,14 @@ def test_coupled_ekfac_scores_equal_the_dense_inverse(built):  # noqa: F811
     b_inv = (b_inv + b_inv.T) / 2
     q = query_gradients(model, train[:3], index, pad_id=tok.pad_token_id)
     expected = brute(rows, q.double().numpy(), b_inv, np.arange(len(rows)), 30.0, 64)
-    got = score_matrix(index, q, ekfac=ek, device="cpu")  # the default: coupling fitted here ("auto")
+    got = score_matrix(index, q, ekfac=ek, balance=None, device="cpu")  # coupling fitted here ("auto")
     assert np.allclose(got, expected, rtol=1e-3, atol=1e-4)
-    assert np.array_equal(score(index, q, ekfac=ek, top_k=3, device="cpu").rows, np.argsort(-expected, 1)[:, :3])
+    assert np.array_equal(
+        score(index, q, ekfac=ek, top_k=3, balance=None, device="cpu").rows, np.argsort(-expected, 1)[:, :3]
+    )
     fitted = fit_coupling(index, ekfac=ek)  # by hand: checked against the factors the queries use
-    assert np.allclose(score_matrix(index, q, ekfac=ek, coupling=fitted, device="cpu"), expected, rtol=1e-3, atol=1e-4)
+    got = score_matrix(index, q, ekfac=ek, coupling=fitted, balance=None, device="cpu")
+    assert np.allclose(got, expected, rtol=1e-3, atol=1e-4)
     other = ek.with_damping(10 * ek.settings["damping"], ek.settings["damping_scope"])
     with pytest.raises(ScoreError, match="fitted with ekfac=.*'damping'"):
         score_matrix(index, q, ekfac=other, coupling=fitted, device="cpu")

@@ -118,6 +118,7 @@ def test_all_row_scores_equal_brute_force(small_index, kwargs, tmp_path):
         "unit_normalize": bool(unit),
         "block_bytes": 3 * 4 * index.gradients.shape[1],
         "coupling": None,  # the uncoupled brute force; tests/test_coupling.py checks the coupled scores
+        "balance": None,  # and tests/test_balance.py the balanced ones
     }
     got = ma.score_matrix(index, q, device="cpu", **opts)
     assert got.shape == (3, 10) and np.allclose(got, brute, rtol=1e-4, atol=1e-8)

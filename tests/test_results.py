@@ -55,12 +55,12 @@ def records_for(tiny, name="idx", **kwargs):
     root, model, tok, train, queries, _ = tiny
     index = load_index(root / name)
     q = query_gradients(model, queries, index, pad_id=tok.pad_token_id)
-    res = score(index, q, top_k=4, per_module=True, unit_normalize=False, device="cpu", coupling=None)
+    res = score(index, q, top_k=4, per_module=True, unit_normalize=False, device="cpu", coupling=None, balance=None)
     counts = query_expert_counts(model, queries, index, pad_id=tok.pad_token_id)
     shares = None
     if index.token_offsets is not None:
         positions = np.searchsorted(index.token_offsets, res.rows.reshape(-1), side="right") - 1
-        shares = token_scores(index, q, positions.tolist(), unit_normalize=False, coupling=None)
+        shares = token_scores(index, q, positions.tolist(), unit_normalize=False, coupling=None, balance=None)
     return score_records(queries, res, index, train, query_counts=counts, token_scores=shares, tokenizer=tok, **kwargs)
 
 

@@ -33,7 +33,9 @@ def test_scores_equal_brute_force(built):
     q = query_gradients(model, train[:3], index, pad_id=tok.pad_token_id)
     full = np.asarray(index.gradients, dtype=np.float64)
     for kwargs in ({"unit_normalize": False}, {"unit_normalize": True}, {"ekfac": ek, "unit_normalize": False}):
-        res = score(index, q, top_k=5, per_module=True, block_rows=7, device="cpu", coupling=None, **kwargs)
+        res = score(
+            index, q, top_k=5, per_module=True, block_rows=7, device="cpu", coupling=None, balance=None, **kwargs
+        )
         qq = q.double().numpy()
         if "ekfac" in kwargs:
             qq = precondition_queries(q, index.blocks, ek, index.manifest["settings"]).double().numpy()
@@ -47,7 +49,8 @@ def test_scores_equal_brute_force(built):
         assert np.allclose(res.values, np.take_along_axis(brute, order, 1), rtol=1e-4), kwargs
         assert np.allclose(res.parts.sum(-1), res.values, rtol=1e-4)
     # a training example is its own top match (exact inner product)
-    assert list(score(index, q, top_k=1, unit_normalize=False, device="cpu", coupling=None).rows[:, 0]) == [0, 1, 2]
+    got = score(index, q, top_k=1, unit_normalize=False, device="cpu", coupling=None, balance=None)
+    assert list(got.rows[:, 0]) == [0, 1, 2]
 
 
 def test_preconditioning_matches_factor_apply(built):

@@ -109,7 +109,7 @@ def test_score_and_matrix_equal_brute_force_at_block_boundaries(tmp_path, rows53
             order = np.argsort(-brute, axis=1)[:, :9]
             for block_rows in (1, 7, 8, 53):
                 opts = dict(
-                    unit_normalize=unit, modules=modules, device="cpu", coupling=None
+                    unit_normalize=unit, modules=modules, device="cpu", coupling=None, balance=None
                 )  # the uncoupled brute force
                 res = score(index, q, top_k=9, per_module=True, block_rows=block_rows, threads=2, **opts)
                 assert np.array_equal(res.rows, order), (unit, modules, block_rows)
@@ -135,7 +135,9 @@ def test_16_bit_index_stores_rounded_rows_and_a_damaged_row_ranks_last(tmp_path,
     grads.flush()
     del grads
     index = load_index(path)
-    res = score(index, rows53[[5]], top_k=53, unit_normalize=False, block_rows=4, device="cpu", coupling=None)
+    res = score(
+        index, rows53[[5]], top_k=53, unit_normalize=False, block_rows=4, device="cpu", coupling=None, balance=None
+    )
     assert res.rows[0, 0] != 5 and res.rows[0, -1] == 5 and np.isnan(res.values[0, -1])
     assert np.isfinite(res.values[0, :-1]).all()
 
@@ -226,7 +228,7 @@ def test_token_shares_of_a_bf16_token_index_read_the_widened_rows(tmp_path, rows
     offsets = np.array([0, 20, 40, 53])
     index = load_index(write_index(tmp_path / "tok", rows53, "bfloat16", token_offsets=offsets, batch=2))
     q = rows53[[0, 30]]
-    shares = token_scores(index, torch.from_numpy(q), [2, 0], unit_normalize=False, coupling=None)
+    shares = token_scores(index, torch.from_numpy(q), [2, 0], unit_normalize=False, coupling=None, balance=None)
     stored = rounded(rows53, "bfloat16").astype(np.float64)
     for p in (0, 2):
         assert np.allclose(shares[p], q @ stored[offsets[p] : offsets[p + 1]].T, rtol=1e-5, atol=1e-5)
