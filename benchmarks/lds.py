@@ -79,6 +79,10 @@ CONFIGS = {
     # held out: added after the coupling's gamma was chosen on the four above, to check it on another
     # family (OLMoE), depth, expert count and corpus seed
     "cpu-heldout": Config(family="olmoe", layers=3, experts=12, shared_vocab=True, seed=1),
+    # held out again (sixth session): added before the output-layer balance was measured on it, to
+    # check that rule (chosen on the five above) on another family (Mixtral: no biases, experts in
+    # `intermediate_size`), expert count and corpus seed
+    "cpu-heldout2": Config(family="mixtral", layers=3, experts=8, shared_vocab=True, seed=2),
     "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
     "gpu": Config(
         hidden=256,
@@ -115,7 +119,7 @@ def corpus(cfg: Config, root: Path):
 
 
 def make_model(cfg: Config, vocab: int, device: str):
-    sizes = {"intermediate_size": cfg.moe_intermediate} if cfg.family in ("gpt_oss", "olmoe") else {}
+    sizes = {"intermediate_size": cfg.moe_intermediate} if cfg.family in ("gpt_oss", "olmoe", "mixtral") else {}
     return tiny_model(
         cfg.family,
         seed=cfg.seed,
@@ -295,13 +299,15 @@ class Attribution:
         per_module_unit=False,
         kind=PROJECTION,
         coupling="auto",
+        balance="auto",
     ):
         index, q, rows = self.get(p, tracked, opt, kind)
         modules = groups(self.model)[group] if group else None
         if not per_module_unit:
             return ma.score_matrix(
-                index, q, ekfac=ekfac, unit_normalize=unit, modules=modules, coupling=coupling, device=self.device
-            )
+                index, q, ekfac=ekfac, unit_normalize=unit, modules=modules, coupling=coupling, balance=balance,
+                device=self.device,
+            )  # fmt: skip
         pre = ma.prepare_queries(index, q, ekfac=ekfac).double().numpy()
         total = np.zeros((pre.shape[0], rows.shape[0]))
         for b in index.blocks:  # every module block normalised to unit norm on both sides, then summed
@@ -324,12 +330,17 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
     v[f"default pipeline, v1 projection (every side to p={p0})"] = att.scores(
         p0, ekfac=att.ekfac(p0, **v1), unit=unit0, **v1
     )
+    v[f"default pipeline, no output balance (p={p0})"] = att.scores(p0, ekfac=ek, unit=unit0, balance=None)
     v[f"default pipeline, no coupling (p={p0})"] = att.scores(p0, ekfac=ek, unit=unit0, coupling=None)
+    v[f"default pipeline, neither coupling nor balance (p={p0})"] = att.scores(
+        p0, ekfac=ek, unit=unit0, coupling=None, balance=None
+    )
     v[f"default pipeline, not tracked (p={p0})"] = att.scores(
         p0, tracked=False, ekfac=att.ekfac(p0, tracked=False), unit=unit0
     )
     ek_exact = att.ekfac(None)
     v["exact rows, otherwise default"] = att.scores(None, ekfac=ek_exact, unit=unit0)
+    v["exact rows, no output balance"] = att.scores(None, ekfac=ek_exact, unit=unit0, balance=None)
     v["exact rows, no coupling"] = att.scores(None, ekfac=ek_exact, unit=unit0, coupling=None)
     v["exact, not tracked, EK-FAC"] = att.scores(None, tracked=False, ekfac=att.ekfac(None, tracked=False), unit=unit0)
     v["exact, no preconditioning"] = att.scores(None)
@@ -355,7 +366,7 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
             for d in (1e-3, 0.1, 1.0, 10.0):
                 ek = att.ekfac(None, sampled=sampled, damping=d, scope=scope)  # as measured before the coupling
                 v[f"exact, {fisher} Fisher, damping {d:g} x mean over {scope}, no coupling"] = att.scores(
-                    None, ekfac=ek, unit=unit0, coupling=None
+                    None, ekfac=ek, unit=unit0, coupling=None, balance=None
                 )
     v["exact, EK-FAC, per-module unit norm"] = att.scores(None, ekfac=ek_exact, per_module_unit=True)
     v["exact, no preconditioning, per-module unit norm"] = att.scores(None, per_module_unit=True)
