@@ -6,7 +6,9 @@ what averaging over checkpoints of the full-data model does here, for the defaul
 `lm_head` alone: the full model is trained again from the shared initial weights with the same
 data order (`lds.train`), keeping the weights after epochs `--epochs`; each checkpoint gets its own
 index, EK-FAC factors and query gradients (the library's defaults), and the score matrices (cosines)
-are averaged. Reads the caches `lds.py` left (run `python benchmarks/lds.py --config NAME` first):
+are averaged. The pipeline is scored without the output-layer balance (`balance=None`), as these
+results were measured before it became the default. Reads the caches `lds.py` left (run
+`python benchmarks/lds.py --config NAME` first):
 
     python benchmarks/lds_checkpoints.py cpu cpu-gpt_oss cpu-shared cpu-deep
 """
@@ -39,9 +41,11 @@ def checkpoint_scores(model, examples, queries, lm_head: str, root: Path) -> dic
         q = ma.query_gradients(model, queries, index)
         ek = ma.fit_ekfac(model, examples, projection_dim=p, progress=False)
         name = "default pipeline (p=32)" if p else "exact rows"
-        out[name] = np.asarray(ma.score_matrix(index, q, ekfac=ek, device="cpu"))
+        out[name] = np.asarray(ma.score_matrix(index, q, ekfac=ek, balance=None, device="cpu"))
         if p:
-            out[f"{name}, no coupling"] = np.asarray(ma.score_matrix(index, q, ekfac=ek, coupling=None, device="cpu"))
+            out[f"{name}, no coupling"] = np.asarray(
+                ma.score_matrix(index, q, ekfac=ek, coupling=None, balance=None, device="cpu")
+            )
         if p is None:
             alone = ma.score_matrix(index, q, ekfac=ek, modules=lm_head, device="cpu")
             out["lm_head alone (exact)"] = np.asarray(alone)

@@ -12,6 +12,9 @@ of the same examples whose gradients are taken at labels drawn from the model, a
 factors are (`build_index` has no such option, so the benchmark routes its collector through
 `sample_labels=True`); two draws, gamma 30 and 100.
 
+Every row is scored without the output-layer balance (`balance=None`): this isolates the coupling,
+as it was measured before the balance became the default.
+
 It reads the caches `lds.py` left (run `python benchmarks/lds.py --config NAME` first).
 """
 
@@ -63,7 +66,8 @@ def run(name: str, root: Path) -> dict[str, np.ndarray]:
         ek = ma.fit_ekfac(model, examples, progress=False)
 
         def lds_of(coupling) -> np.ndarray:
-            return lds.per_query_lds(ma.score_matrix(index, q, ekfac=ek, coupling=coupling), subsets, losses)
+            scores = ma.score_matrix(index, q, ekfac=ek, coupling=coupling, balance=None)
+            return lds.per_query_lds(scores, subsets, losses)
 
         out["no coupling (p=32, EK-FAC)"] = lds_of(None)
         for gamma in GAMMAS:
