@@ -465,8 +465,9 @@ def phases_part(layers: int, p: int, steps: int, profile: bool = False) -> dict:
 
 
 def coupling_part(layers: int, examples: int, p: int) -> dict:
-    """The coupling's cost at full depth: `fit_coupling` (every index row, EK-FAC) against a
-    `score_matrix` pass over the same index, on the Qwen3-30B-A3B shape with `layers` layers."""
+    """The coupling's and the output-layer balance's cost at full depth: `fit_coupling` (every index
+    row, EK-FAC) and `fit_balance` (with the output layer's coupling) against a `score_matrix` pass
+    over the same index, on the Qwen3-30B-A3B shape with `layers` layers."""
     model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
     exs = examples_for(model, examples)
     path = Path("/tmp/e2e-coupling-index")
@@ -484,8 +485,11 @@ def coupling_part(layers: int, examples: int, p: int) -> dict:
 
     coupling, fit_s = clock(lambda: ma.fit_coupling(index, ekfac=ek, device="cuda"))
     coupling, fit2_s = clock(lambda: ma.fit_coupling(index, ekfac=ek, device="cuda"))
-    _, plain_s = clock(lambda: ma.score_matrix(index, q, ekfac=ek, coupling=None, device="cuda"))
-    _, coupled_s = clock(lambda: ma.score_matrix(index, q, ekfac=ek, coupling=coupling, device="cuda"))
+    balance, balance_s = clock(lambda: ma.fit_balance(index, ekfac=ek, coupling={}, device="cuda"))
+    opts = dict(ekfac=ek, device="cuda")
+    _, plain_s = clock(lambda: ma.score_matrix(index, q, coupling=None, balance=None, **opts))
+    _, coupled_s = clock(lambda: ma.score_matrix(index, q, coupling=coupling, balance=None, **opts))
+    _, balanced_s = clock(lambda: ma.score_matrix(index, q, coupling=coupling, balance=balance, **opts))
     row = {
         "row": f"coupling, qwen3 shape, {layers} layers, {examples} rows, p={p}",
         "columns": int(index.gradients.shape[1]),
@@ -495,6 +499,9 @@ def coupling_part(layers: int, examples: int, p: int) -> dict:
         "fit_second_s": fit2_s,
         "score_matrix_s": plain_s,
         "score_matrix_coupled_s": coupled_s,
+        "balance": balance.settings,
+        "balance_fit_s": balance_s,
+        "score_matrix_coupled_balanced_s": balanced_s,
     }
     print(json.dumps(row), flush=True)
     shutil.rmtree(path, ignore_errors=True)

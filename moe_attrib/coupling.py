@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Index
-from moe_attrib.precondition import ScoreError, module_columns, precondition_queries
+from moe_attrib.precondition import ScoreError, module_blocks, module_columns, precondition_queries
 
 DEFAULT_GAMMA = 30.0
 DEFAULT_RANK = 64
@@ -142,11 +142,12 @@ def fit_coupling(
     if unit_normalize:
         g = g / g.norm(dim=1, keepdim=True).clamp_min(1e-30)
     settings_of_index = index.manifest["settings"]
+    blocks = module_blocks(index.blocks, modules)  # only what the restriction keeps
 
     def preconditioned(chunk: torch.Tensor) -> torch.Tensor:
         if ekfac is None:
             return chunk
-        p = precondition_queries(chunk, index.blocks, ekfac, settings_of_index)  # on the rows' device
+        p = precondition_queries(chunk, blocks, ekfac, settings_of_index)  # on the rows' device
         return p if mask is None else p * mask.to(device)
 
     s = g.shape[0]

@@ -78,6 +78,16 @@ def precondition_queries(
     return out.float()
 
 
+def module_blocks(blocks: list[Block], modules: str | None) -> list[Block]:
+    """The blocks a `modules` restriction needs preconditioned: those matching the glob and the
+    weight or bias block of the same module (a folded bias is preconditioned with its weight).
+    Columns of other blocks are masked out afterwards, so leaving them out saves their work."""
+    if modules is None:
+        return blocks
+    stems = {b.name.rsplit(".", 1)[0] for b in blocks if fnmatch.fnmatchcase(b.name, modules)}
+    return [b for b in blocks if b.name.rsplit(".", 1)[0] in stems]
+
+
 def module_columns(blocks: list[Block], modules: str | None) -> torch.Tensor | None:
     """Boolean column mask of the blocks whose name matches the glob `modules` (None: every column).
 

@@ -25,7 +25,7 @@ from moe_attrib.discovery import discover
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.fingerprint import check_model, check_settings_match
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
-from moe_attrib.precondition import EXPERT_BLOCK, ScoreError, module_columns, precondition_queries
+from moe_attrib.precondition import EXPERT_BLOCK, ScoreError, module_blocks, module_columns, precondition_queries
 from moe_attrib.projection import projection_kind
 from moe_attrib.stream import DEFAULT_BLOCK_BYTES, DEFAULT_READER, ToHost, stream_rows
 
@@ -82,7 +82,7 @@ def prepare_queries(
     mask = module_columns(index.blocks, modules)
     if ekfac is not None:
         check_settings_match(index.manifest["settings"], ekfac.settings, a_name=f"index {index.path}", b_name="EK-FAC")
-        q = precondition_queries(q, index.blocks, ekfac, index.manifest["settings"])
+        q = precondition_queries(q, module_blocks(index.blocks, modules), ekfac, index.manifest["settings"])
     preconditioned = q
     if mask is not None:
         q = q * mask
