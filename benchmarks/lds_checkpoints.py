@@ -6,9 +6,9 @@ what averaging over checkpoints of the full-data model does here, for the defaul
 `lm_head` alone: the full model is trained again from the shared initial weights with the same
 data order (`lds.train`), keeping the weights after epochs `--epochs`; each checkpoint gets its own
 index, EK-FAC factors and query gradients (the library's defaults), and the score matrices (cosines)
-are averaged. The pipeline is scored without the output-layer balance (`balance=None`), as these
-results were measured before it became the default. Reads the caches `lds.py` left (run
-`python benchmarks/lds.py --config NAME` first):
+are averaged. The pipeline is scored without the output-layer balance (`balance=None`), as the
+first results were measured before it became the default, and with it (today's default). Reads
+the caches `lds.py` left (run `python benchmarks/lds.py --config NAME` first):
 
     python benchmarks/lds_checkpoints.py cpu cpu-gpt_oss cpu-shared cpu-deep
 """
@@ -43,6 +43,9 @@ def checkpoint_scores(model, examples, queries, lm_head: str, root: Path) -> dic
         name = "default pipeline (p=32)" if p else "exact rows"
         out[name] = np.asarray(ma.score_matrix(index, q, ekfac=ek, balance=None, device="cpu"))
         if p:
+            out[f"{name}, output balance (today's default)"] = np.asarray(
+                ma.score_matrix(index, q, ekfac=ek, device="cpu")
+            )
             out[f"{name}, no coupling"] = np.asarray(
                 ma.score_matrix(index, q, ekfac=ek, coupling=None, balance=None, device="cpu")
             )
@@ -82,6 +85,10 @@ def run(name: str, root: Path, epochs: list[int]) -> None:
     lo, hi = lds.bootstrap(ens_default - ens_lm)
     diff = ens_default.mean() - ens_lm.mean()
     print(f"  averaged default - averaged lm_head alone: {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    ens_balanced = variants[f"default pipeline (p=32), output balance (today's default), mean over epochs {epochs}"]
+    lo, hi = lds.bootstrap(ens_balanced - ens_lm)
+    diff = ens_balanced.mean() - ens_lm.mean()
+    print(f"  averaged default with the balance - averaged lm_head alone: {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]")
 
 
 def main() -> None:
