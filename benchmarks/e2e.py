@@ -116,20 +116,27 @@ def cast_matmul(kernels) -> None:
     kernels.matmul_fp32 = matmul_fp32
 
 
+def capture_graph(fn, warmup: int = 3) -> tuple:
+    """`fn` captured in a CUDA graph after `warmup` eager calls on a side stream (one-time checks,
+    cached projections and allocations happen there); returns `(graph, fn's static result)`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+    return graph, static
+
+
 def graphed_collection(model, report, ids: torch.Tensor, labels: torch.Tensor, p: int) -> tuple:
     """One collection step captured in a CUDA graph (a probe, `--collect_graph`): no attention mask
-    (transformers' mask check reads the mask on the host), warmed up on a side stream first.
+    (transformers' mask check reads the mask on the host).
     Returns `(graph, its static result, max relative difference to an eager step on the same batch)`."""
     with GradientCollector(model, report, projection_dim=p) as c:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                c.collect(ids, None, labels, fused_experts=True)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = c.collect(ids, None, labels, fused_experts=True)
+        graph, static = capture_graph(lambda: c.collect(ids, None, labels, fused_experts=True))
         eager = c.collect(ids, None, labels, fused_experts=True)
     graph.replay()
     torch.cuda.synchronize()

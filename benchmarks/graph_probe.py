@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from e2e import make_model, token_ids  # noqa: E402
+from e2e import capture_graph, make_model, token_ids  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
 from moe_attrib.collector import GradientCollector  # noqa: E402
@@ -40,15 +40,7 @@ def plain_forward_probe(model, ids: torch.Tensor) -> None:
 
     a, b = forward(), forward()
     print(f"  plain forward eager vs eager, per layer: {[round(rel(x, y), 8) for x, y in zip(a, b, strict=True)]}")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = forward()
+    graph, static = capture_graph(forward)
     graph.replay()
     torch.cuda.synchronize()
     print(f"  plain forward graph vs eager, per layer: {[round(rel(x, y), 8) for x, y in zip(static, a, strict=True)]}")
@@ -93,15 +85,7 @@ def backend_probe(model, ids: torch.Tensor) -> None:
         try:
             with sdpa_kernel(backend):
                 eager = forward()
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        forward()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    static = forward()
+                graph, static = capture_graph(forward)
                 graph.replay()
                 torch.cuda.synchronize()
         except RuntimeError as err:
@@ -128,17 +112,9 @@ def main() -> None:
             b = c.collect(ids, None, labels, fused_experts=True)
             a = {k: v.clone() for k, v in a.items()}
             print(f"{n}x{s} eager vs eager: worst {worst(a, b)}", flush=True)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    c.collect(ids, None, labels, fused_experts=True)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with torch.cuda.graph(graph):
-                    static = c.collect(ids, None, labels, fused_experts=True)
+                graph, static = capture_graph(lambda c=c, i=ids, y=labels: c.collect(i, None, y, fused_experts=True))
             print(f"  warnings while capturing: {[str(w.message)[:160] for w in caught]}")
             print(f"  kernel fallbacks: {c.kernels.fallbacks}")
             graph.replay()

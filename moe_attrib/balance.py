@@ -30,7 +30,7 @@ import torch
 from moe_attrib.coupling import Coupling, check_memory, ekfac_identity, fit_coupling, sample_rows
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Index
-from moe_attrib.precondition import ScoreError, module_columns
+from moe_attrib.precondition import ScoreError, check_fitted, module_columns
 
 OUTPUT_LAYER = "lm_head.*"  # block-name glob of the output layer (Hugging Face causal LMs)
 DEFAULT_BALANCE_SAMPLE = 256  # rows the spreads are measured on
@@ -154,10 +154,5 @@ def resolve_balance(
         "ekfac": ekfac_identity(ekfac),
         "coupled": coupling is not None,
     }
-    for key, value in want.items():
-        if balance.settings.get(key) != value:
-            raise ScoreError(
-                f"the output-layer balance was fitted with {key}={balance.settings.get(key)!r} but these queries are "
-                f"scored with {key}={value!r}; fit it again with fit_balance(index, ...) for this scoring."
-            )
+    check_fitted("the output-layer balance", balance.settings, want, "fit_balance(index, ...)")
     return balance

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Index
-from moe_attrib.precondition import ScoreError, module_blocks, module_columns, precondition_queries
+from moe_attrib.precondition import ScoreError, check_fitted, module_blocks, module_columns, precondition_queries
 
 DEFAULT_GAMMA = 30.0
 DEFAULT_RANK = 64
@@ -219,10 +219,5 @@ def resolve_coupling(
         "modules": modules,
         "ekfac": ekfac_identity(ekfac),
     }
-    for key, value in want.items():
-        if coupling.settings.get(key) != value:
-            raise ScoreError(
-                f"the coupling was fitted with {key}={coupling.settings.get(key)!r} but these queries are scored with "
-                f"{key}={value!r}; fit it again with fit_coupling(index, ...) for this scoring."
-            )
+    check_fitted("the coupling", coupling.settings, want, "fit_coupling(index, ...)")
     return coupling

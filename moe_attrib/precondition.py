@@ -78,6 +78,17 @@ def precondition_queries(
     return out.float()
 
 
+def check_fitted(what: str, settings: dict, want: dict, refit: str) -> None:
+    """Refuse something fitted from an index (`settings`) for queries prepared another way (`want`):
+    a `ScoreError` naming the first setting that differs and how to fit it again (`refit`)."""
+    for key, value in want.items():
+        if settings.get(key) != value:
+            raise ScoreError(
+                f"{what} was fitted with {key}={settings.get(key)!r} but these queries are scored with "
+                f"{key}={value!r}; fit it again with {refit} for this scoring."
+            )
+
+
 def module_blocks(blocks: list[Block], modules: str | None) -> list[Block]:
     """The blocks a `modules` restriction needs preconditioned: those matching the glob and the
     weight or bias block of the same module (a folded bias is preconditioned with its weight).
