@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_attrib.coupling import Coupling, check_memory, ekfac_identity, fit_coupling, sample_rows
+from moe_attrib.coupling import Coupling, ekfac_identity, fit_coupling, memory_available, sampled_rows
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Index
 from moe_attrib.precondition import ScoreError, check_fitted, module_columns
@@ -59,6 +59,17 @@ class Balance:
         spread_output = (output @ rows.T).std(dim=1, keepdim=True).clamp_min(1e-30)
         q = whole / spread_whole + output / spread_output
         return q * (whole.norm(dim=1, keepdim=True) / q.norm(dim=1, keepdim=True).clamp_min(1e-30))
+
+
+def check_memory(index: Index, sample: int = DEFAULT_BALANCE_SAMPLE) -> None:
+    """Refuse, before any work, a balance whose sampled rows (held on the host) would not fit there."""
+    need = min(int(index.gradients.shape[0]), int(sample)) * int(index.gradients.shape[1]) * 4
+    have = memory_available(torch.device("cpu"))
+    if need > have:
+        raise ScoreError(
+            f"the output-layer balance of index {index.path} holds {need / 2**30:.1f} GiB of sampled rows on the "
+            f"host, more than the {have / 2**30:.1f} GiB it may use: pass --no-output_balance (balance=None)."
+        )
 
 
 def has_output_layer(index: Index) -> bool:
@@ -93,15 +104,10 @@ def fit_balance(
         return None
     if sample < 2:
         raise ScoreError(f"the output-layer balance needs at least 2 sampled rows (got {sample}).")
-    device = torch.device(device)
-    check_memory(index, sample, device)
-    picked = sample_rows(int(index.gradients.shape[0]), sample, seed)
-    rows = torch.from_numpy(index.read_rows(picked))
-    rows = rows[rows.isfinite().all(dim=1)]
+    check_memory(index, sample)
+    rows = sampled_rows(index, sample, seed, mask=None, unit_normalize=unit_normalize, device=torch.device("cpu"))
     if rows.shape[0] < 2:
         return None
-    if unit_normalize:
-        rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-30)
     output_coupling = None
     if coupling is not None:
         output_coupling = fit_coupling(

@@ -340,7 +340,8 @@ def training_examples(settings: dict, tokenizer, text_field: str) -> list:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from moe_attrib.balance import DEFAULT_BALANCE_SAMPLE, fit_balance
+    from moe_attrib.balance import check_memory as check_balance_memory
+    from moe_attrib.balance import resolve_balance
     from moe_attrib.coupling import check_memory as check_coupling_memory
     from moe_attrib.coupling import fit_coupling
     from moe_attrib.data import DataError, check_token_ids, fingerprint, load_examples
@@ -376,7 +377,7 @@ def cmd_score(args: argparse.Namespace) -> int:
             check_coupling_memory(index, args.coupling_sample, device, args.coupling_rank)
         balanced = args.output_balance and args.modules is None  # a --modules score is never balanced
         if balanced:
-            check_coupling_memory(index, DEFAULT_BALANCE_SAMPLE, device)
+            check_balance_memory(index)
         scored_with = (args.unit_normalize, args.modules, bool(ekfac_dirs), coupled, balanced)
         own = matrix_info(index, fingerprint(queries), len(queries), *scored_with)
         others = load_matrices(args.average_with, own) if args.average_with else []  # checked before any work
@@ -410,10 +411,7 @@ def cmd_score(args: argparse.Namespace) -> int:
             st = opts["coupling"].settings
             print(f"cross-module coupling: gamma {st['gamma']:g}, rank {st['rank']}, from {st['sample']} of "
                   f"{st['rows']} index rows (--coupling_gamma 0 turns it off)")  # fmt: skip
-        opts["balance"] = None
-        if balanced:
-            fit_opts = {k: opts[k] for k in ("ekfac", "unit_normalize", "device")}
-            opts["balance"] = fit_balance(index, **fit_opts, coupling=coupled, progress=True)
+        opts["balance"] = resolve_balance(index, "auto" if balanced else None, **opts, progress=True)
         if opts["balance"] is not None:
             print(f"output-layer balance: lm_head's vote counted as much as the whole model's, spreads from "
                   f"{opts['balance'].settings['sample']} index rows (--no-output_balance turns it off)")  # fmt: skip

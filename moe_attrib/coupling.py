@@ -108,6 +108,20 @@ def sample_rows(rows: int, sample: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(rows, size=sample, replace=False))
 
 
+def sampled_rows(
+    index: Index, sample: int, seed: int, *, mask: torch.Tensor | None, unit_normalize: bool, device: torch.device
+) -> torch.Tensor:
+    """The finite rows of a seeded sample (`sample_rows`) on `device`, as they are scored: restricted
+    to `mask` and unit-normalised with `unit_normalize` (what the coupling and the balance fit on)."""
+    g = torch.from_numpy(index.read_rows(sample_rows(int(index.gradients.shape[0]), sample, seed))).to(device)
+    g = g[g.isfinite().all(dim=1)]
+    if mask is not None:
+        g = g * mask.to(device)
+    if unit_normalize:
+        g = g / g.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return g
+
+
 def fit_coupling(
     index: Index,
     *,
@@ -130,17 +144,10 @@ def fit_coupling(
     device = torch.device(device)
     check_memory(index, sample, device, rank)
     n, columns = index.gradients.shape
-    picked = sample_rows(int(n), sample, seed)
-    g = torch.from_numpy(index.read_rows(picked)).to(device)
-    finite = g.isfinite().all(dim=1)
-    g, picked = g[finite], picked[finite.cpu().numpy()]
+    mask = module_columns(index.blocks, modules)
+    g = sampled_rows(index, sample, seed, mask=mask, unit_normalize=unit_normalize, device=device)
     if g.shape[0] == 0:
         return None
-    mask = module_columns(index.blocks, modules)
-    if mask is not None:
-        g = g * mask.to(device)
-    if unit_normalize:
-        g = g / g.norm(dim=1, keepdim=True).clamp_min(1e-30)
     settings_of_index = index.manifest["settings"]
     blocks = module_blocks(index.blocks, modules)  # only what the restriction keeps
 

@@ -3,10 +3,10 @@
 A score is the inner product of a query's projected gradient with a training row, optionally
 after EK-FAC preconditioning of the query (`g_q^T (F + damping)^-1 g_train`), the cross-module
 coupling (`moe_attrib.coupling`, on by default), unit normalisation (cosine) and the output-layer
-balance (`moe_attrib.balance`, on by default). The index is
-streamed in row blocks (`moe_attrib.stream`: threaded reads, pinned double buffers, copies
-overlapped with the arithmetic), so it never has to fit in memory; the running top-k stays on the
-device and is read back once.
+balance (`moe_attrib.balance`, on by default). The index is streamed in row blocks
+(`moe_attrib.stream`: threaded reads, pinned double buffers, copies overlapped with the
+arithmetic), so it never has to fit in memory; the running top-k stays on the device and is read
+back once.
 """
 
 from __future__ import annotations

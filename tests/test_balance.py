@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import moe_attrib.balance as balance_module
 import tests.test_score_stream as stream_tests
 from moe_attrib.balance import OUTPUT_LAYER, fit_balance
 from moe_attrib.coupling import sample_rows
@@ -79,6 +80,14 @@ def test_a_balance_is_checked_and_never_applied_to_a_module_restricted_score(syn
     assert np.array_equal(restricted, plain)
     with pytest.raises(ScoreError, match="at least 2 sampled rows"):
         fit_balance(index, sample=1)
+
+
+def test_a_balance_that_does_not_fit_in_host_memory_is_refused_before_any_read(synthetic, monkeypatch):
+    index, *_ = synthetic
+    monkeypatch.setattr(balance_module, "memory_available", lambda device: 1000)
+    monkeypatch.setattr(type(index), "read_rows", lambda *a: pytest.fail("rows were read"))
+    with pytest.raises(ScoreError, match="balance of index .* on the host.*--no-output_balance"):
+        fit_balance(index)
 
 
 def test_an_index_without_an_output_layer_is_scored_unbalanced_with_a_warning(tmp_path):
