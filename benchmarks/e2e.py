@@ -116,6 +116,11 @@ def cast_matmul(kernels) -> None:
     kernels.matmul_fp32 = matmul_fp32
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| relative to max |b|."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
 def capture_graph(fn, warmup: int = 3) -> tuple:
     """`fn` captured in a CUDA graph after `warmup` eager calls on a side stream (one-time checks,
     cached projections and allocations happen there); returns `(graph, fn's static result)`."""
@@ -140,11 +145,7 @@ def graphed_collection(model, report, ids: torch.Tensor, labels: torch.Tensor, p
         eager = c.collect(ids, None, labels, fused_experts=True)
     graph.replay()
     torch.cuda.synchronize()
-    diff = max(
-        float((static[k].float() - eager[k].float()).abs().max() / eager[k].float().abs().max().clamp_min(1e-30))
-        for k in eager
-    )
-    return graph, static, diff
+    return graph, static, max(rel(static[k], eager[k]) for k in eager)
 
 
 def collect_row(
@@ -162,8 +163,14 @@ def collect_row(
     mask = torch.ones_like(ids)
     labels = ids.clone()
     report = ma.discover(model, track_moe_experts=True, warn=False)
-    times: dict[str, list[float]] = {"plain": [], "collect": [], "floor": [], "collect_cast": [], "collect_graph": []}
-    peaks = {"plain": 0, "collect": 0, "floor": 0, "collect_cast": 0, "collect_graph": 0}
+    times: dict[str, list[float]] = {}
+    peaks: dict[str, int] = {}
+
+    def measure(key: str, fn) -> None:
+        _, t, m = timed(fn, 2, steps)
+        times.setdefault(key, []).extend(t)
+        peaks[key] = max(peaks.get(key, 0), m)
+
     share = None
     graphed, graph_error = None, None
     if graph:
@@ -172,31 +179,21 @@ def collect_row(
         except Exception as err:  # a probe: the row records why capture failed
             graph_error = f"{type(err).__name__}: {str(err)[:300]}"
     for _ in range(rounds):
-        _, t, m = timed(lambda: plain_step(model, ids, mask, labels), 2, steps)
-        times["plain"] += t
-        peaks["plain"] = max(peaks["plain"], m)
+        measure("plain", lambda: plain_step(model, ids, mask, labels))
         with frozen(model):
-            _, t, m = timed(lambda: floor_step(model, ids, mask, labels), 2, steps)
-        times["floor"] += t
-        peaks["floor"] = max(peaks["floor"], m)
+            measure("floor", lambda: floor_step(model, ids, mask, labels))
         with GradientCollector(model, report, projection_dim=p) as c:
             out = c.collect(ids, mask, labels, fused_experts=True)
             share = expert_share(out.expert_counts.float().cpu())
             del out
-            _, t, m = timed(lambda c=c: c.collect(ids, mask, labels, fused_experts=True), 2, steps)
-        times["collect"] += t
-        peaks["collect"] = max(peaks["collect"], m)
+            measure("collect", lambda c=c: c.collect(ids, mask, labels, fused_experts=True))
         if cast:
             with GradientCollector(model, report, projection_dim=p) as c:
                 cast_matmul(c.kernels)
                 c.collect(ids, mask, labels, fused_experts=True)
-                _, t, m = timed(lambda c=c: c.collect(ids, mask, labels, fused_experts=True), 2, steps)
-            times["collect_cast"] += t
-            peaks["collect_cast"] = max(peaks["collect_cast"], m)
+                measure("collect_cast", lambda c=c: c.collect(ids, mask, labels, fused_experts=True))
         if graphed is not None:
-            _, t, m = timed(graphed[0].replay, 2, steps)
-            times["collect_graph"] += t
-            peaks["collect_graph"] = max(peaks["collect_graph"], m)
+            measure("collect_graph", graphed[0].replay)
     if profile:
         from collect_speed import profile_steps
 
@@ -204,6 +201,11 @@ def collect_row(
             profile_steps(f"collection step {name}", lambda: c.collect(ids, mask, labels, fused_experts=True))
         profile_steps(f"plain step {name}", lambda: plain_step(model, ids, mask, labels))
     plain, collect = statistics.median(times["plain"]), statistics.median(times["collect"])
+
+    def against_plain(key: str) -> dict:
+        ms = statistics.median(times[key])
+        return {f"{key}_ms": ms * 1e3, f"{key}_ratio": ms / plain, f"{key}_memory_ratio": peaks[key] / peaks["plain"]}
+
     row = {
         "row": name,
         "tokens": ids.numel(),
@@ -218,22 +220,16 @@ def collect_row(
         "plain_peak_gib": peaks["plain"] / GiB,
         "collect_peak_gib": peaks["collect"] / GiB,
         "memory_ratio": peaks["collect"] / peaks["plain"],
-        "floor_ms": statistics.median(times["floor"]) * 1e3,
-        "floor_ratio": statistics.median(times["floor"]) / plain,
-        "floor_memory_ratio": peaks["floor"] / peaks["plain"],
+        **against_plain("floor"),
         "rounds": rounds,
         "steps_per_round": steps,
     }
     if cast:
-        row["collect_cast_ms"] = statistics.median(times["collect_cast"]) * 1e3
-        row["collect_cast_ratio"] = statistics.median(times["collect_cast"]) / plain
-        row["collect_cast_memory_ratio"] = peaks["collect_cast"] / peaks["plain"]
+        row.update(against_plain("collect_cast"))
     if graph:
         row["collect_graph_error"] = graph_error
     if graphed is not None:
-        row["collect_graph_ms"] = statistics.median(times["collect_graph"]) * 1e3
-        row["collect_graph_ratio"] = statistics.median(times["collect_graph"]) / plain
-        row["collect_graph_memory_ratio"] = peaks["collect_graph"] / peaks["plain"]
+        row.update(against_plain("collect_graph"))
         row["collect_graph_max_rel_diff_to_eager"] = graphed[2]
         del graphed
     print(json.dumps(row), flush=True)

@@ -17,14 +17,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from e2e import capture_graph, make_model, token_ids  # noqa: E402
+from e2e import capture_graph, make_model, rel, token_ids  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
 from moe_attrib.collector import GradientCollector  # noqa: E402
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
 def worst(a: dict, b: dict, top: int = 6) -> list[tuple[str, float]]:

@@ -80,15 +80,15 @@ def run(name: str, root: Path, epochs: list[int]) -> None:
         mean = np.mean([per_epoch[e][key] for e in epochs], axis=0)
         variants[f"{key}, mean over epochs {epochs}"] = lds.per_query_lds(mean, subsets, losses)
     lds.print_variants(cached.title, variants, cached.domains, "first", 62)
-    ens_default = variants[f"default pipeline (p=32), mean over epochs {epochs}"]
     ens_lm = variants[f"lm_head alone (exact), mean over epochs {epochs}"]
-    lo, hi = lds.bootstrap(ens_default - ens_lm)
-    diff = ens_default.mean() - ens_lm.mean()
-    print(f"  averaged default - averaged lm_head alone: {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]")
-    ens_balanced = variants[f"default pipeline (p=32), output balance (today's default), mean over epochs {epochs}"]
-    lo, hi = lds.bootstrap(ens_balanced - ens_lm)
-    diff = ens_balanced.mean() - ens_lm.mean()
-    print(f"  averaged default with the balance - averaged lm_head alone: {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+    compared = {
+        "default": "default pipeline (p=32)",
+        "default with the balance": "default pipeline (p=32), output balance (today's default)",
+    }
+    for label, key in compared.items():
+        ens = variants[f"{key}, mean over epochs {epochs}"]
+        lo, hi = lds.bootstrap(ens - ens_lm)
+        print(f"  averaged {label} - averaged lm_head alone: {ens.mean() - ens_lm.mean():+.3f} [{lo:+.3f}, {hi:+.3f}]")
 
 
 def main() -> None:

@@ -57,6 +57,13 @@ def sampled_label_index(model, examples, path: Path, draw: int) -> ma.Index:
     return ma.load_index(path)
 
 
+def default_pipeline(model, cached: lds.Cached, path: Path) -> tuple:
+    """The default index of the cached training examples at `path`, its query rows and EK-FAC factors."""
+    ma.build_index(model, cached.examples, path, progress=False)
+    index = ma.load_index(path)
+    return index, ma.query_gradients(model, cached.queries, index), ma.fit_ekfac(model, cached.examples, progress=False)
+
+
 def run_balanced(name: str, root: Path) -> dict[str, np.ndarray]:
     """`--balance`: gamma 30 against 10 and 100 with the output-layer balance (today's default
     scoring; the balance's own coupling takes the same gamma)."""
@@ -64,10 +71,7 @@ def run_balanced(name: str, root: Path) -> dict[str, np.ndarray]:
     model = cached.model()
     out: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ma.build_index(model, cached.examples, Path(tmp) / "index", progress=False)
-        index = ma.load_index(Path(tmp) / "index")
-        q = ma.query_gradients(model, cached.queries, index)
-        ek = ma.fit_ekfac(model, cached.examples, progress=False)
+        index, q, ek = default_pipeline(model, cached, Path(tmp) / "index")
         for gamma in (30.0, 10.0, 100.0):
             coupling = ma.fit_coupling(index, ekfac=ek, gamma=gamma)
             scores = ma.score_matrix(index, q, ekfac=ek, coupling=coupling)
@@ -78,14 +82,11 @@ def run_balanced(name: str, root: Path) -> dict[str, np.ndarray]:
 
 def run(name: str, root: Path) -> dict[str, np.ndarray]:
     cached = lds.load_cached(name, root)
-    subsets, losses, examples, queries = cached.subsets, cached.losses, cached.examples, cached.queries
+    subsets, losses, examples = cached.subsets, cached.losses, cached.examples
     model = cached.model()
     out: dict[str, np.ndarray] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ma.build_index(model, examples, Path(tmp) / "index", progress=False)
-        index = ma.load_index(Path(tmp) / "index")
-        q = ma.query_gradients(model, queries, index)
-        ek = ma.fit_ekfac(model, examples, progress=False)
+        index, q, ek = default_pipeline(model, cached, Path(tmp) / "index")
 
         def lds_of(coupling) -> np.ndarray:
             scores = ma.score_matrix(index, q, ekfac=ek, coupling=coupling, balance=None)

@@ -15,8 +15,9 @@ so they are in the page cache, then times in interleaved rounds (median of `--ro
 - `old path`: what `score` did before streaming: `np.array(memmap slice)` + `.to(device)` in 1 GiB
   blocks, then matmul + top-k.
 
-`score` runs without the cross-module coupling (`coupling=None`): its fit is a fixed cost per run,
-timed by `benchmarks/e2e.py --parts coupling`, and a fitted coupling changes only the queries.
+`score` runs without the cross-module coupling and the output-layer balance (`coupling=None`,
+`balance=None`): their fits are a fixed cost per run, timed by `benchmarks/e2e.py --parts coupling`,
+and fitted ones change only the queries.
 GB/s counts stored bytes. The JSON (`--out`) holds every round, the medians and the ratios of
 `score`'s GB/s to both baselines'. On the H200:
 
@@ -179,7 +180,8 @@ def main() -> None:
         q = torch.randn((args.queries, args.dim), generator=torch.Generator().manual_seed(1)).to(device)
         pinned = torch.randn((max(1, block_bytes // (4 * args.dim)), args.dim))
         pinned = pinned.pin_memory() if cuda else pinned
-        opts = dict(top_k=args.top_k, unit_normalize=False, coupling=None, device=device, block_bytes=block_bytes,
+        opts = dict(top_k=args.top_k, unit_normalize=False, coupling=None, balance=None, device=device,
+                    block_bytes=block_bytes,
                     threads=args.threads)  # fmt: skip
         methods = {
             "score": (fp32_bytes, lambda: torch.from_numpy(ma.score(index["float32"], q, **opts).rows)),

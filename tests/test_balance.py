@@ -1,8 +1,6 @@
 """The output-layer balance against its definition, computed densely in numpy (no Woodbury, no
 streaming): `q = a / sigma_a + o / sigma_o` rescaled to `|a|`, scored against the rows as scored."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -15,7 +13,7 @@ from moe_attrib.index import load_index
 from moe_attrib.precondition import precondition_queries
 from moe_attrib.score import ScoreError, hit_parts, query_gradients, score, score_matrix
 from tests.test_build import CORPUS, ENV, model_dir  # noqa: F401  (fixture)
-from tests.test_integrity import cli, inproc
+from tests.test_coupling import score_on_and_off
 from tests.test_score import built  # noqa: F401  (fixture)
 
 BLOCKS = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.expert_0.down_proj.weight",
@@ -134,18 +132,9 @@ def test_default_scores_with_ekfac_and_couplings_equal_the_dense_definition(buil
 
 def test_cli_balances_by_default_and_records_it(built, model_dir, tmp_path):  # noqa: F811
     root, *_ = built
-    queries = tmp_path / "q.jsonl"
-    queries.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["alpha beta", "gamma delta epsilon"]))
-    outs = {}
-    for name, extra in (("on", []), ("off", ["--no-output_balance"])):
-        out, matrix = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.npy"
-        res = cli("score", "--index", root / "idx", model_dir, queries, "--ekfac", root / "ek", "--top_k", 3,
-                  "--out", out, "--all_scores", matrix, *extra)  # fmt: skip
-        assert res.returncode == 0, res.stderr[-2000:]
-        assert ("output-layer balance: lm_head's vote" in res.stdout) == (name == "on")
-        outs[name] = (np.load(matrix), json.loads((tmp_path / f"{name}.npy.json").read_text()))
+    outs, res = score_on_and_off(
+        root, model_dir, tmp_path, ["--no-output_balance"], "output-layer balance: lm_head's vote"
+    )
     assert outs["on"][1]["output_balance"] is True and outs["off"][1]["output_balance"] is False
     assert np.abs(outs["on"][0] - outs["off"][0]).max() > 1e-3
-    res = inproc("score", "--index", root / "idx", model_dir, queries, "--ekfac", root / "ek", "--out",
-                 tmp_path / "avg.jsonl", "--average_with", tmp_path / "off.npy")  # fmt: skip
     assert res.returncode == 2 and "output-layer balance" in res.stderr

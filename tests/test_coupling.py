@@ -115,21 +115,30 @@ def test_a_fit_that_does_not_fit_in_memory_is_refused_before_any_read(tmp_path, 
         fit_coupling(index)
 
 
-def test_cli_scores_with_the_coupling_and_records_it(built, model_dir, tmp_path):  # noqa: F811
-    root, *_ = built
+def score_on_and_off(root, model_path, tmp_path, off: list, announced: str) -> tuple[dict, object]:
+    """`score --all_scores` with a setting on (the default) and `off`, checking that only the first run
+    prints `announced`; `({"on"|"off": (matrix, its sidecar)}, the result of averaging "on" with "off")`."""
     queries = tmp_path / "q.jsonl"
     queries.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["alpha beta", "gamma delta epsilon"]))
     outs = {}
-    for name, extra in (("on", []), ("off", ["--coupling_gamma", 0])):
+    for name, extra in (("on", []), ("off", off)):
         out, matrix = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.npy"
-        res = cli("score", "--index", root / "idx", model_dir, queries, "--ekfac", root / "ek", "--top_k", 3,
+        res = cli("score", "--index", root / "idx", model_path, queries, "--ekfac", root / "ek", "--top_k", 3,
                   "--out", out, "--all_scores", matrix, *extra)  # fmt: skip
         assert res.returncode == 0, res.stderr[-2000:]
-        assert ("cross-module coupling: gamma 30, rank" in res.stdout) == (name == "on")
+        assert (announced in res.stdout) == (name == "on")
         outs[name] = (np.load(matrix), json.loads((tmp_path / f"{name}.npy.json").read_text()))
+    averaged = inproc("score", "--index", root / "idx", model_path, queries, "--ekfac", root / "ek", "--out",
+                      tmp_path / "avg.jsonl", "--average_with", tmp_path / "off.npy")  # fmt: skip
+    return outs, averaged
+
+
+def test_cli_scores_with_the_coupling_and_records_it(built, model_dir, tmp_path):  # noqa: F811
+    root, *_ = built
+    outs, res = score_on_and_off(
+        root, model_dir, tmp_path, ["--coupling_gamma", 0], "cross-module coupling: gamma 30, rank"
+    )
     assert outs["on"][1]["coupling"] == {"gamma": 30.0, "rank": 64, "sample": 512}
     assert outs["off"][1]["coupling"] is None
     assert np.abs(outs["on"][0] - outs["off"][0]).max() > 1e-3
-    res = inproc("score", "--index", root / "idx", model_dir, queries, "--ekfac", root / "ek", "--out",
-              tmp_path / "avg.jsonl", "--average_with", tmp_path / "off.npy")  # fmt: skip
     assert res.returncode == 2 and "cross-module coupling" in res.stderr
