@@ -187,6 +187,13 @@ def collect_row(
             share = expert_share(out.expert_counts.float().cpu())
             del out
             measure("collect", lambda c=c: c.collect(ids, mask, labels, fused_experts=True))
+            fused = c.collect(ids, mask, labels, fused_experts=True)
+        with GradientCollector(model, report, projection_dim=p, fused_head=False) as c:
+            eager = c.collect(ids, mask, labels, fused_experts=True)
+            head_diff = max(rel(fused[k], eager[k]) for k in eager)
+            loss_diff = rel(fused.losses, eager.losses)
+            del fused, eager
+            measure("collect_eager_head", lambda c=c: c.collect(ids, mask, labels, fused_experts=True))
         if cast:
             with GradientCollector(model, report, projection_dim=p) as c:
                 cast_matmul(c.kernels)
@@ -221,6 +228,9 @@ def collect_row(
         "collect_peak_gib": peaks["collect"] / GiB,
         "memory_ratio": peaks["collect"] / peaks["plain"],
         **against_plain("floor"),
+        **against_plain("collect_eager_head"),
+        "fused_head_max_rel_diff_to_eager_head": head_diff,
+        "fused_head_loss_rel_diff": loss_diff,
         "rounds": rounds,
         "steps_per_round": steps,
     }
@@ -255,6 +265,11 @@ def collect_part(
     ):
         small = profile and n * s <= 1024
         rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds, small, cast, graph))
+    del model
+    torch.cuda.empty_cache()
+    model = make_model("qwen3-30b-a3b-shaped", vocab_size=151936)  # the real model's vocabulary
+    for name, n, s in (("qwen3 vocab 151936 2x512", 2, 512), ("qwen3 vocab 151936 2x4096", 2, 4096)):
+        rows.append(collect_row(name, model, token_ids(model, n, s), p, steps, rounds, cast=cast, graph=graph))
     del model
     torch.cuda.empty_cache()
     model = make_model("olmoe-1b-7b-shaped")

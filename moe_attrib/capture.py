@@ -255,6 +255,10 @@ class Capture:
         finally:
             self._paused -= 1
 
+    @property
+    def is_paused(self) -> bool:
+        return self._paused > 0
+
     def reset(self) -> None:
         self.batch = None
         self.records, self.counts = [], {}
@@ -283,22 +287,40 @@ class Capture:
     ) -> None:
         if not isinstance(y, torch.Tensor) or not y.requires_grad or self._paused:
             return
-        name = target.name
-        # rows projected as one 2D matmul, then split into examples (a view): two ops fewer than a 3D matmul
-        x = x.detach().reshape(-1, x.shape[-1])
-        p_in = self._project(name, "in", x.shape[-1], x)
-        x = self._per_example(self.kernels.matmul_fp32(x, p_in) if p_in is not None else x.float())
-        record = CaptureRecord(name, x, transposed, target.module._parameters.get("bias") is not None)
-        self.records.append(record)
+        record = self.dense_record(target, x, transposed)
 
         def backward(g: torch.Tensor) -> None:
             if out_transposed:
                 g = g.transpose(-1, -2)
-            g = g.reshape(-1, g.shape[-1])
-            p_out = self._project(name, "out", g.shape[-1], g)
-            record.g = self._per_example(self.kernels.matmul_fp32(g, p_out) if p_out is not None else g.float())
+            self.set_out_rows(record, self.out_rows(record, g.reshape(-1, g.shape[-1])))
 
         y.register_hook(backward)
+
+    def hooked_target(self, module: nn.Module) -> Target | None:
+        """The dense target `module` is, if it is captured by its forward hook (not tapped elsewhere)."""
+        for target in self.targets:
+            if target.module is module and target.kind == "linear" and target.name in self._target_handles:
+                return target
+        return None
+
+    def dense_record(self, target: Target, x: torch.Tensor, transposed: bool = False) -> CaptureRecord:
+        """Record a dense target's input rows `x` (`[..., in]`, projected as one 2D matmul, then split
+        into examples); its `g` is set by the caller (a hook, or `moe_attrib.head`) from `out_rows`."""
+        x = x.detach().reshape(-1, x.shape[-1])
+        p_in = self._project(target.name, "in", x.shape[-1], x)
+        x = self._per_example(self.kernels.matmul_fp32(x, p_in) if p_in is not None else x.float())
+        record = CaptureRecord(target.name, x, transposed, target.module._parameters.get("bias") is not None)
+        self.records.append(record)
+        return record
+
+    def out_rows(self, record: CaptureRecord, g: torch.Tensor) -> torch.Tensor:
+        """Output-gradient rows `g` (`[rows, out]`) of a dense record as it keeps them: projected, float32."""
+        p_out = self._project(record.name, "out", g.shape[-1], g)
+        return self.kernels.matmul_fp32(g, p_out) if p_out is not None else g.float()
+
+    def set_out_rows(self, record: CaptureRecord, rows: torch.Tensor) -> None:
+        """Set a dense record's `g` from its `out_rows` of the whole batch (`[N * R, b]`)."""
+        record.g = self._per_example(rows)
 
     def _grouped(self, target: Target, x: torch.Tensor, y: torch.Tensor) -> None:
         """A grouped linear as a dense capture whose rows are (token, group) pairs.

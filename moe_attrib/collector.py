@@ -22,7 +22,8 @@ from torch import nn
 
 from moe_attrib.capture import BatchInfo, Capture, CaptureRecord
 from moe_attrib.discovery import CoverageReport, discover, iter_entries
-from moe_attrib.layouts import Kernels
+from moe_attrib.head import FusedHead
+from moe_attrib.layouts import Kernels, is_out_of_memory
 from moe_attrib.projection import PROJECTION, Projections, side_width
 from moe_attrib.recompute import recompute_layers
 
@@ -224,6 +225,7 @@ class GradientCollector:
         row_sink: Callable | None = None,
         projection: str = PROJECTION,
         recompute: bool = False,
+        fused_head: bool = True,
     ):
         """`projector(name, side, features, like, batch)` replaces the seeded random projections
         (EK-FAC uses it to rotate rows into its eigenbases; None for a side kept as it is);
@@ -232,7 +234,10 @@ class GradientCollector:
         (`moe_attrib.projection`; an index's own kind), which with `projection_dim` also sets the
         shape of a block that received no gradient (zeros) when a `projector` is given.
         `recompute=True` keeps only each decoder layer's inputs and runs its forward again in the
-        backward (`moe_attrib.recompute`): the same rows for far less activation memory, one more forward."""
+        backward (`moe_attrib.recompute`): the same rows for far less activation memory, one more forward.
+        `fused_head=True` computes the output layer with the loss in row chunks (`moe_attrib.head`)
+        once the model's first collection has shown its output layer to be a plain one: the same
+        losses and gradients without the `[tokens, vocab]` tensors of the eager loss."""
         self.model = model
         self.projector = projector
         self.row_sink = row_sink
@@ -241,6 +246,8 @@ class GradientCollector:
         self.seed = seed
         self.projection = projection
         self.recompute = recompute
+        self.fused_head = fused_head
+        self.head: FusedHead | None = None
         self.kernels = Kernels()
         self.capture: Capture | None = None
         self._stack: contextlib.ExitStack | None = None
@@ -262,6 +269,7 @@ class GradientCollector:
             self.capture = stack.enter_context(capture)
             if self.recompute:
                 stack.enter_context(recompute_layers(self.model, capture.paused))
+            self.head = FusedHead(self.model, capture) if self.fused_head else None
             self._stack = stack.pop_all()
         return self
 
@@ -270,6 +278,7 @@ class GradientCollector:
             self._stack.__exit__(*exc)
             self._stack = None
         self.capture = None
+        self.head = None
 
     def _projection(self, name: str, side: str, features: int, like: torch.Tensor, batch: int | None = None):
         if self.projector is not None:
@@ -308,17 +317,22 @@ class GradientCollector:
         batch = BatchInfo(n, s, mask)
         if labels is None:
             labels = default_labels(input_ids, attention_mask)
+        head = self.head if self.head is not None and self.head.usable and not sample_labels else None
         try:
             with torch.enable_grad():
-                with capture.recording(batch):
-                    out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-                if sample_labels:
-                    probs = torch.softmax(out.logits.detach().float(), dim=-1)
-                    drawn = torch.multinomial(probs.view(-1, probs.shape[-1]), 1).view(n, s)
-                    labels = torch.where(labels == -100, -100, torch.roll(drawn, 1, dims=1))
-                losses = example_losses(out.logits, labels)
-                del out
-                losses.sum().backward()
+                fused, out = self._forward(head, batch, input_ids, attention_mask, labels)
+                if fused is not None:
+                    losses = fused.losses
+                    fused.backward()
+                    del fused
+                else:
+                    if sample_labels:
+                        probs = torch.softmax(out.logits.detach().float(), dim=-1)
+                        drawn = torch.multinomial(probs.view(-1, probs.shape[-1]), 1).view(n, s)
+                        labels = torch.where(labels == -100, -100, torch.roll(drawn, 1, dims=1))
+                    losses = example_losses(out.logits, labels)
+                    del out
+                    losses.sum().backward()
             if self.row_sink is not None:
                 self.row_sink(capture.records, batch)
                 results = {}
@@ -335,6 +349,26 @@ class GradientCollector:
             return result
         tokens = s if per_token else 0
         return self._package(results, counts, losses.detach(), n, fused_experts, tokens, expert_blocks)
+
+    def _forward(self, head: FusedHead | None, batch: BatchInfo, input_ids, attention_mask, labels) -> tuple:
+        """The batch's recorded forward: `(fused head's result, None)`, or `(None, the model's output)`
+        for the eager loss (no fused head, or one whose forward turned out to be eager or must be run again)."""
+        capture = self.capture
+        if head is not None:
+            with capture.recording(batch), head.fused(batch, labels):
+                try:
+                    out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                except RuntimeError as err:  # the model's own code on the placeholder (an in-place op)
+                    if not head.called or is_out_of_memory(err):
+                        raise
+                    out = None
+            fused, again = head.result(out)
+            if fused is not None or not again:
+                return fused, out
+            del out
+        with capture.recording(batch):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return None, out
 
     def _package(
         self,
@@ -402,6 +436,7 @@ def per_example_gradients(
     seed: int = 0,
     projection: str = PROJECTION,
     recompute: bool = False,
+    fused_head: bool = True,
 ) -> PerExampleGradients:
     """Per-example gradients of every tracked module for one batch.
 
@@ -411,11 +446,17 @@ def per_example_gradients(
     default `projection` kind (`rademacher-hash-v2`: weights `min(out, p) x min(in, p)` in the
     stored orientation, biases `min(out, p)`; `rademacher-hash-v1`: `p x p` and `p`).
     Each example's loss is its summed token cross-entropy (labels = input_ids, padding
-    ignored), so entry n equals autograd's gradient of example n's loss alone. `recompute`: see
-    `GradientCollector`.
+    ignored), so entry n equals autograd's gradient of example n's loss alone. `recompute`,
+    `fused_head`: see `GradientCollector`.
     """
     report = discover(model, track_moe_experts=track_moe_experts)
     with GradientCollector(
-        model, report, projection_dim=projection_dim, seed=seed, projection=projection, recompute=recompute
+        model,
+        report,
+        projection_dim=projection_dim,
+        seed=seed,
+        projection=projection,
+        recompute=recompute,
+        fused_head=fused_head,
     ) as collector:
         return collector.collect(input_ids, attention_mask, labels)
