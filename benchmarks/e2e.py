@@ -188,12 +188,15 @@ def collect_row(
             del out
             measure("collect", lambda c=c: c.collect(ids, mask, labels, fused_experts=True))
             fused = c.collect(ids, mask, labels, fused_experts=True)
-        with GradientCollector(model, report, projection_dim=p, fused_head=False) as c:
+        with GradientCollector(model, report, projection_dim=p, fused_head=False, fused_norms=False) as c:
             eager = c.collect(ids, mask, labels, fused_experts=True)
             head_diff = max(rel(fused[k], eager[k]) for k in eager)
             loss_diff = rel(fused.losses, eager.losses)
             del fused, eager
-            measure("collect_eager_head", lambda c=c: c.collect(ids, mask, labels, fused_experts=True))
+            measure("collect_eager", lambda c=c: c.collect(ids, mask, labels, fused_experts=True))
+        with GradientCollector(model, report, projection_dim=p, fused_norms=False) as c:
+            c.collect(ids, mask, labels, fused_experts=True)
+            measure("collect_eager_norms", lambda c=c: c.collect(ids, mask, labels, fused_experts=True))
         if cast:
             with GradientCollector(model, report, projection_dim=p) as c:
                 cast_matmul(c.kernels)
@@ -228,8 +231,9 @@ def collect_row(
         "collect_peak_gib": peaks["collect"] / GiB,
         "memory_ratio": peaks["collect"] / peaks["plain"],
         **against_plain("floor"),
-        **against_plain("collect_eager_head"),
-        "fused_head_max_rel_diff_to_eager_head": head_diff,
+        **against_plain("collect_eager"),
+        **against_plain("collect_eager_norms"),
+        "max_rel_diff_to_eager_head_and_norms": head_diff,
         "fused_head_loss_rel_diff": loss_diff,
         "rounds": rounds,
         "steps_per_round": steps,

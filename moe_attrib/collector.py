@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_attrib import norms
 from moe_attrib.capture import BatchInfo, Capture, CaptureRecord
 from moe_attrib.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.head import FusedHead
@@ -226,6 +227,7 @@ class GradientCollector:
         projection: str = PROJECTION,
         recompute: bool = False,
         fused_head: bool = True,
+        fused_norms: bool = True,
     ):
         """`projector(name, side, features, like, batch)` replaces the seeded random projections
         (EK-FAC uses it to rotate rows into its eigenbases; None for a side kept as it is);
@@ -237,7 +239,9 @@ class GradientCollector:
         backward (`moe_attrib.recompute`): the same rows for far less activation memory, one more forward.
         `fused_head=True` computes the output layer with the loss in row chunks (`moe_attrib.head`)
         once the model's first collection has shown its output layer to be a plain one: the same
-        losses and gradients without the `[tokens, vocab]` tensors of the eager loss."""
+        losses and gradients without the `[tokens, vocab]` tensors of the eager loss. `fused_norms=True`
+        gives the decoder's RMSNorms a one-pass backward that keeps only their input (`moe_attrib.norms`;
+        their forward is the model's own)."""
         self.model = model
         self.projector = projector
         self.row_sink = row_sink
@@ -247,6 +251,7 @@ class GradientCollector:
         self.projection = projection
         self.recompute = recompute
         self.fused_head = fused_head
+        self.fused_norms = fused_norms
         self.head: FusedHead | None = None
         self.kernels = Kernels()
         self.capture: Capture | None = None
@@ -269,6 +274,8 @@ class GradientCollector:
             self.capture = stack.enter_context(capture)
             if self.recompute:
                 stack.enter_context(recompute_layers(self.model, capture.paused))
+            if self.fused_norms:
+                stack.enter_context(norms.fused_norms(self.model))
             self.head = FusedHead(self.model, capture) if self.fused_head else None
             self._stack = stack.pop_all()
         return self
