@@ -73,7 +73,8 @@ def test_fsdp_two_ranks_equal_one_process(sharded_runs, family):
         g = b.factors[name]
         for field in ("A", "G", "tokens", "lam"):
             want, got = getattr(f, field), getattr(g, field)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7 * float(want.abs().max()), msg=f"{name}.{field}")
+            # sums over tokens in another order (per rank, then all-reduced): fp32 rounding, as for the rows above
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()), msg=f"{name}.{field}")
     assert "memory plan per rank (FSDP2 over 2 ranks)" in res.stdout
     scores = work / family / "scores.jsonl"
     index = str(work / family / "fsdp_index")
