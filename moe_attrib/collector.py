@@ -444,6 +444,7 @@ def per_example_gradients(
     projection: str = PROJECTION,
     recompute: bool = False,
     fused_head: bool = True,
+    fused_norms: bool = True,
 ) -> PerExampleGradients:
     """Per-example gradients of every tracked module for one batch.
 
@@ -454,7 +455,7 @@ def per_example_gradients(
     stored orientation, biases `min(out, p)`; `rademacher-hash-v1`: `p x p` and `p`).
     Each example's loss is its summed token cross-entropy (labels = input_ids, padding
     ignored), so entry n equals autograd's gradient of example n's loss alone. `recompute`,
-    `fused_head`: see `GradientCollector`.
+    `fused_head`, `fused_norms`: see `GradientCollector`.
     """
     report = discover(model, track_moe_experts=track_moe_experts)
     with GradientCollector(
@@ -465,5 +466,6 @@ def per_example_gradients(
         projection=projection,
         recompute=recompute,
         fused_head=fused_head,
+        fused_norms=fused_norms,
     ) as collector:
         return collector.collect(input_ids, attention_mask, labels)
