@@ -6,14 +6,17 @@ a 4-layer Qwen3-30B-A3B shape at 8k tokens the 17 norms (input, post-attention, 
 layer, the final norm) take about 9 of 57 ms of kernels. `fused_norms(model)` runs each norm's own
 forward unchanged (under no grad: the same kernels, bit for bit, so routing is untouched) inside an
 autograd function that keeps only the input rows and forms `dx = r (g - x̂ mean(g x̂))`, with
-`g = dy * w` (or `dy * (1 + w)` for the zero-centred weight of Gemma-style norms), in one pass: a
+`g = dy * w` (or `dy * (1 + w)` for the zero-centred weight of Gemma-style norms, `dy` without a
+weight), in one pass: a
 Triton kernel on CUDA (one program per row, float32 inside), the same formula in torch elsewhere.
 
 A norm module is used this way only once the formula matched autograd's own backward of the module
 on seeded rows (relative error below 1e-2 in 16-bit dtypes, 1e-5 in float32), trying both weight
 conventions, and only for inputs of its weight's dtype and device; a module matching neither keeps
 eager autograd. Only modules named `*RMSNorm` with a one-dimensional frozen weight (not sharded by
-FSDP, not offloaded) and a one-argument forward qualify.
+FSDP, not offloaded) or with no parameters at all (a weightless norm, `w = 1`: llama4's q/k norms,
+checked and used for the dtype and device of the model's first parameter) and a one-argument
+forward qualify.
 """
 
 from __future__ import annotations
@@ -37,19 +40,21 @@ try:  # Triton ships with CUDA builds of torch; without it the torch formula run
 
     @triton.jit
     def _rms_norm_backward_kernel(
-        x_ptr, dy_ptr, w_ptr, dx_ptr, width, eps, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr, dy_ptr, w_ptr, dx_ptr, width, eps, HAS_WEIGHT: tl.constexpr, ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         keep = cols < width
         x = tl.load(x_ptr + row * width + cols, mask=keep, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row * width + cols, mask=keep, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
-        if ONE_PLUS:
-            w = w + 1.0
+        g = dy
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+            if ONE_PLUS:
+                w = w + 1.0
+            g = dy * w
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
         xhat = x * r
-        g = dy * w
         dx = r * (g - xhat * (tl.sum(g * xhat, axis=0) / width))
         tl.store(dx_ptr + row * width + cols, dx.to(dx_ptr.dtype.element_ty), mask=keep)
 
@@ -58,9 +63,10 @@ except ImportError:  # pragma: no cover - CPU builds
 
 
 def rms_norm_backward(
-    x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float, one_plus: bool
+    x: torch.Tensor, weight: torch.Tensor | None, dy: torch.Tensor, eps: float, one_plus: bool
 ) -> torch.Tensor:
-    """`d loss / d x` of `y = w * x / rms(x)` (`w` -> `1 + w` with `one_plus`) given `dy`, float32 (float64) inside."""
+    """`d loss / d x` of `y = w * x / rms(x)` (`w` -> `1 + w` with `one_plus`, 1 without a weight) given `dy`,
+    float32 (float64) inside."""
     width = x.shape[-1]
     if x.is_cuda and triton is not None and width <= 65536:
         rows = x.reshape(-1, width).contiguous()
@@ -71,18 +77,21 @@ def rms_norm_backward(
             _rms_norm_backward_kernel[(rows.shape[0],)](
                 rows,
                 grads,
-                weight,
+                weight if weight is not None else rows,
                 dx,
                 width,
                 eps,
+                HAS_WEIGHT=weight is not None,
                 ONE_PLUS=one_plus,
                 BLOCK=block,
                 num_warps=min(16, max(1, block // 256)),
             )
         return dx.view(x.shape)
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    w = weight.to(wide)
-    xf, g = x.to(wide), dy.to(wide) * (w + 1.0 if one_plus else w)
+    xf, g = x.to(wide), dy.to(wide)
+    if weight is not None:
+        w = weight.to(wide)
+        g = g * (w + 1.0 if one_plus else w)
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     xhat = xf * r
     return (r * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
@@ -110,13 +119,17 @@ def _eps(module: nn.Module) -> float | None:
 
 
 def qualifies(module: nn.Module) -> bool:
-    """An `*RMSNorm` module with a frozen 1-D `weight`, an epsilon and a one-argument forward."""
+    """An `*RMSNorm` module with a frozen 1-D `weight` (or no parameters and buffers at all: a weightless
+    norm), an epsilon and a one-argument forward."""
+    if not type(module).__name__.endswith("RMSNorm") or _eps(module) is None or "forward" in module.__dict__:
+        return False
     weight = module._parameters.get("weight")
-    if not type(module).__name__.endswith("RMSNorm") or weight is None or weight.dim() != 1:
+    if weight is None:
+        if next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
+            return False
+    elif weight.dim() != 1 or weight.requires_grad:
         return False
-    if weight.requires_grad or _eps(module) is None or "forward" in module.__dict__:
-        return False
-    if type(weight.data) is not torch.Tensor or weight.device.type == "meta":  # sharded (FSDP) or not loaded
+    elif type(weight.data) is not torch.Tensor or weight.device.type == "meta":  # sharded (FSDP) or not loaded
         return False
     params = list(inspect.signature(type(module).forward).parameters.values())[1:]
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -124,18 +137,25 @@ def qualifies(module: nn.Module) -> bool:
 
 
 def convention(module: nn.Module) -> str | None:
-    """The weight convention found for `module` in this process ("w", "1+w"), None if none or unchecked."""
+    """The weight convention found for `module` in this process ("w", "1+w", "none" for a weightless
+    norm), None if none or unchecked."""
     return _CHECKED.get(module)
 
 
-def _check(module: nn.Module) -> str | None:
-    """Which weight convention the module's own autograd backward has, on seeded rows of its weight's
-    dtype and device, or None (checked once per module and process, before any batch: a check inside
-    a recomputed layer's forward would change what the recomputation saves)."""
+# (convention, one_plus) pairs tried for a norm with a weight, and for a weightless one
+_CONVENTIONS = {True: (("w", False), ("1+w", True)), False: (("none", False),)}
+
+
+def _check(module: nn.Module, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Which weight convention the module's own autograd backward has, on seeded rows of `dtype` on
+    `device` (its weight's, or the model's for a weightless norm), or None (checked once per module and
+    process, before any batch: a check inside a recomputed layer's forward would change what the
+    recomputation saves)."""
     if module not in _CHECKED:
-        weight = module.weight
-        gen = torch.Generator(device=weight.device).manual_seed(0)
-        x = torch.randn(8, weight.shape[0], generator=gen, device=weight.device).to(weight.dtype)
+        weight = module._parameters.get("weight")
+        width = weight.shape[0] if weight is not None else 64
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(8, width, generator=gen, device=device).to(dtype)
         with torch.enable_grad():
             ref_in = x.clone().requires_grad_(True)
             out = type(module).forward(module, ref_in)
@@ -143,8 +163,9 @@ def _check(module: nn.Module) -> str | None:
             (expected,) = torch.autograd.grad(out, ref_in, dy)
         tol = _TOLERANCE.get(x.dtype, 1e-2)
         found = None
-        for name, one_plus in (("w", False), ("1+w", True)):
-            got = rms_norm_backward(x, weight.detach(), dy, _eps(module), one_plus)
+        w = weight.detach() if weight is not None else None
+        for name, one_plus in _CONVENTIONS[weight is not None]:
+            got = rms_norm_backward(x, w, dy, _eps(module), one_plus)
             err = (got.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)
             if float(err) < tol:
                 found = name
@@ -156,16 +177,18 @@ def _check(module: nn.Module) -> str | None:
 @contextlib.contextmanager
 def fused_norms(model: nn.Module) -> Iterator[list[str]]:
     """Install the one-pass backward on every qualifying RMSNorm of `model`; yields their names.
-    Exit restores each module's forward exactly."""
+    A weightless norm is checked, and used, for rows of the dtype and device of the model's first
+    floating-point parameter. Exit restores each module's forward exactly."""
     names = []
     installed: list[nn.Module] = []
+    first = next((p for p in model.parameters() if p.is_floating_point()), None)
 
-    def wrapped(module: nn.Module, one_plus: bool):
-        eps, weight = _eps(module), module.weight
+    def wrapped(module: nn.Module, dtype: torch.dtype, device: torch.device, one_plus: bool):
+        eps, weight = _eps(module), module._parameters.get("weight")
 
         def forward(x, *args, **kwargs):
             plain = isinstance(x, torch.Tensor) and not args and not kwargs
-            if not plain or x.dtype != weight.dtype or x.device != weight.device or not torch.is_grad_enabled():
+            if not plain or x.dtype != dtype or x.device != device or not torch.is_grad_enabled():
                 return type(module).forward(module, x, *args, **kwargs)
             return _NormFunction.apply(x, weight, module, eps, one_plus)
 
@@ -173,8 +196,15 @@ def fused_norms(model: nn.Module) -> Iterator[list[str]]:
 
     try:
         for name, module in model.named_modules():
-            if qualifies(module) and _check(module) is not None:
-                module.__dict__["forward"] = wrapped(module, _check(module) == "1+w")
+            if not qualifies(module):
+                continue
+            weight = module._parameters.get("weight")
+            like = weight if weight is not None else first
+            if like is None or like.device.type == "meta" or type(like.data) is not torch.Tensor:
+                continue
+            found = _check(module, like.dtype, like.device)
+            if found is not None:
+                module.__dict__["forward"] = wrapped(module, like.dtype, like.device, found == "1+w")
                 installed.append(module)
                 names.append(name)
         yield names

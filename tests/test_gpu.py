@@ -230,9 +230,10 @@ def test_cuda_fused_head_equals_eager_head(padded_batch, monkeypatch):
 
 
 @pytest.mark.parametrize("width", [128, 2048, 2880])
-@pytest.mark.parametrize("one_plus", [False, True])
+@pytest.mark.parametrize("one_plus", [False, True, None])
 def test_cuda_norm_backward_kernel_matches_autograd(width, one_plus):
-    """The Triton RMSNorm backward against autograd of the eager formula, bf16 rows, float32 weights."""
+    """The Triton RMSNorm backward against autograd of the eager formula, bf16 rows, float32 weights
+    (`one_plus=None`: a weightless norm)."""
     from moe_attrib.norms import rms_norm_backward
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -240,7 +241,8 @@ def test_cuda_norm_backward_kernel_matches_autograd(width, one_plus):
     dy = torch.randn(3000, width, generator=gen, device="cuda").bfloat16()
     w = torch.randn(width, generator=gen, device="cuda")
     ref_in = x.double().requires_grad_(True)
-    y = ref_in * torch.rsqrt(ref_in.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.double() + 1 if one_plus else w.double())
+    scale = 1.0 if one_plus is None else (w.double() + 1 if one_plus else w.double())
+    y = ref_in * torch.rsqrt(ref_in.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
     (expected,) = torch.autograd.grad(y, ref_in, dy.double())
-    got = rms_norm_backward(x, w, dy, 1e-6, one_plus)
+    got = rms_norm_backward(x, None if one_plus is None else w, dy, 1e-6, bool(one_plus))
     assert got.dtype == torch.bfloat16 and rel_err(got, expected) < 1e-2, rel_err(got, expected)

@@ -1,5 +1,6 @@
 """The RMSNorms' one-pass backward (`moe_attrib.norms`) against autograd."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -22,6 +23,17 @@ class LlamaStyleRMSNorm(nn.Module):
         return (1 + self.weight if self.zero_centred else self.weight) * xf.to(x.dtype)
 
 
+class WeightlessRMSNorm(nn.Module):
+    """llama4's q/k norm: no parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
 class MeanAbsRMSNorm(LlamaStyleRMSNorm):
     """Named like an RMSNorm, normalises by the mean absolute value: its backward is not the formula."""
 
@@ -29,7 +41,7 @@ class MeanAbsRMSNorm(LlamaStyleRMSNorm):
         return self.weight * x / (x.abs().mean(-1, keepdim=True) + self.variance_epsilon)
 
 
-def test_formula_equals_autograd_for_both_weight_conventions():
+def test_formula_equals_autograd_for_every_weight_convention():
     torch.manual_seed(0)
     x = torch.randn(5, 7, 24, dtype=torch.float64)
     dy = torch.randn_like(x)
@@ -39,11 +51,20 @@ def test_formula_equals_autograd_for_both_weight_conventions():
         (expected,) = torch.autograd.grad(module(ref_in), ref_in, dy)
         got = norms.rms_norm_backward(x, module.weight.detach(), dy, 1e-6, zero_centred)
         assert rel_err(got, expected) < 1e-12
+    ref_in = x.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(WeightlessRMSNorm()(ref_in), ref_in, dy)
+    assert rel_err(norms.rms_norm_backward(x, None, dy, 1e-6, False), expected) < 1e-12
 
 
 def test_installed_norms_keep_the_forward_and_give_autograds_gradient():
     torch.manual_seed(0)
-    layers = [LlamaStyleRMSNorm(16), nn.Linear(16, 16).double(), LlamaStyleRMSNorm(16, True), MeanAbsRMSNorm(16)]
+    layers = [
+        LlamaStyleRMSNorm(16),
+        nn.Linear(16, 16).double(),
+        LlamaStyleRMSNorm(16, True),
+        MeanAbsRMSNorm(16),
+        WeightlessRMSNorm(),
+    ]
     model = nn.Sequential(*layers)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -53,21 +74,22 @@ def test_installed_norms_keep_the_forward_and_give_autograds_gradient():
     y_ref = model(ref_in)
     (expected,) = torch.autograd.grad(y_ref, ref_in, dy)
     with norms.fused_norms(model) as names:
-        assert names == ["0", "2"]  # not 3: its backward is not the formula
+        assert names == ["0", "2", "4"]  # not 3: its backward is not the formula
         fused_in = x.clone().requires_grad_(True)
         y = model(fused_in)
         (got,) = torch.autograd.grad(y, fused_in, dy)
     assert torch.equal(y, y_ref)  # the forward is the modules' own
     assert rel_err(got, expected) < 1e-12
-    found = [norms.convention(model[i]) for i in (0, 2, 3)]
-    assert found == ["w", "1+w", None]  # the last keeps eager autograd
+    found = [norms.convention(model[i]) for i in (0, 2, 3, 4)]
+    assert found == ["w", "1+w", None, "none"]  # 3 keeps eager autograd
     assert all("forward" not in m.__dict__ for m in model)
 
 
-def test_collection_with_and_without_the_norms_backward(padded_batch):
+@pytest.mark.parametrize("family", ["qwen3_next", "llama4_text"])  # zero-centred weights; weightless q/k norms
+def test_collection_with_and_without_the_norms_backward(family, padded_batch):
     """Same rows either way (the per-sample autograd comparison of the default is test_gradients')."""
     ids, mask = padded_batch
-    model = tiny_model("qwen3_next")  # zero-centred weights
+    model = tiny_model(family)
     report = ma.discover(model, track_moe_experts=True, warn=False)
     with ma.GradientCollector(model, report, fused_norms=False) as c:
         eager = c.collect(ids, mask, fused_experts=True)
