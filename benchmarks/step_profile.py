@@ -28,17 +28,22 @@ import moe_attrib as ma  # noqa: E402
 from moe_attrib.collector import GradientCollector  # noqa: E402
 
 
-def kernels(title: str, fn, steps: int, rows: int) -> None:
+def profiled(fn, steps: int, activity: str, warmup: int = 2):
+    """torch.profiler over `steps` calls of `fn` (after `warmup` calls), one activity ("CPU" or "CUDA")."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(2):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    return prof
+
+
+def kernels(title: str, fn, steps: int, rows: int) -> None:
+    events = [e for e in profiled(fn, steps, "CUDA").key_averages() if e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in events) / steps / 1e3
     print(f"== {title}: {total:.1f} ms of kernels per step")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
@@ -64,16 +69,8 @@ def host(title: str, fn, steps: int, rows: int) -> None:
 
 def op_times(fn, steps: int) -> dict[str, float]:
     """Self CPU ms per step of each aten op (and autograd node) under torch.profiler, with "total"."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    times = {e.key: e.self_cpu_time_total / steps / 1e3 for e in prof.key_averages()}
+    events = profiled(fn, steps, "CPU", warmup=3).key_averages()
+    times = {e.key: e.self_cpu_time_total / steps / 1e3 for e in events}
     times["total"] = sum(times.values())
     return times
 
