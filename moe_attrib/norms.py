@@ -7,8 +7,8 @@ layer, the final norm) take about 9 of 57 ms of kernels. `fused_norms(model)` ru
 forward unchanged (under no grad: the same kernels, bit for bit, so routing is untouched) inside an
 autograd function that keeps only the input rows and forms `dx = r (g - x̂ mean(g x̂))`, with
 `g = dy * w` (or `dy * (1 + w)` for the zero-centred weight of Gemma-style norms, `dy` without a
-weight), in one pass: a
-Triton kernel on CUDA (one program per row, float32 inside), the same formula in torch elsewhere.
+weight), in one pass: a Triton kernel on CUDA (one program per row, float32 inside), the same formula
+in torch elsewhere.
 
 A norm module is used this way only once the formula matched autograd's own backward of the module
 on seeded rows (relative error below 1e-2 in 16-bit dtypes, 1e-5 in float32), trying both weight
@@ -29,8 +29,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-# norm module -> weight convention ("w" | "1+w") or None (keeps eager autograd)
-_CHECKED: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+# norm module -> weight convention ("w" | "1+w" | "none") or None (keeps eager autograd)
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, str | None] = weakref.WeakKeyDictionary()
 
 _TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
 
