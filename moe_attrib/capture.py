@@ -359,8 +359,9 @@ class Capture:
         rows of its segment): no length bound, no device sync.
         """
         cached = rows.cache.get("grid")
-        if cached is not None:
-            return cached
+        grid = cached() if cached is not None else None
+        if grid is not None:
+            return grid
         batch = self.batch
         n, e = batch.n, layout.num_experts
         if rows.num_tokens % n:
@@ -382,7 +383,7 @@ class Capture:
         routed = torch.zeros(e * n + 1, device=seg.device).index_add_(0, seg, real)[:-1]
         self.counts[layout.name] = routed.view(e, n).t()
         grid = RoutedGrid(rows, seg, ends, e * n, trash, bounds)
-        rows.cache["grid"] = grid
+        rows.cache["grid"] = weakref.ref(grid)  # the grid holds the rows: a strong reference would be a cycle
         return grid
 
     def _experts_sink(

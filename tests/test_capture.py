@@ -367,3 +367,29 @@ def test_experts_are_checked_once_per_process(padded_batch, monkeypatch):
     with ma.GradientCollector(tiny_model("qwen3_moe"), projection_dim=4) as collector:  # another model: checked
         collector.collect(ids, mask)
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4_text"])
+def test_a_collection_leaves_no_tensor_in_a_reference_cycle(family, padded_batch):
+    """Everything a batch recorded is freed when its last reference goes, not at the next garbage
+    collection: on a 48-layer model at 8k tokens a cycle per experts layer held megabytes per batch."""
+    import gc
+
+    ids, mask = padded_batch
+    model = tiny_model(family)
+
+    def tensors() -> int:
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    with ma.GradientCollector(model, projection_dim=8) as collector:
+        collector.collect(ids, mask, fused_experts=True)  # first batch: the one-time checks
+        gc.collect()
+        gc.disable()
+        try:
+            out = collector.collect(ids, mask, fused_experts=True)
+            del out
+            left = tensors()
+            gc.collect()
+            assert tensors() == left
+        finally:
+            gc.enable()
