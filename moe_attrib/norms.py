@@ -29,8 +29,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-# norm module -> weight convention ("w" | "1+w" | "none") or None (keeps eager autograd)
-_CHECKED: weakref.WeakKeyDictionary[nn.Module, str | None] = weakref.WeakKeyDictionary()
+# norm module -> {(dtype, device): weight convention ("w" | "1+w" | "none") or None (keeps eager autograd)}
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 _TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
 
@@ -137,9 +137,10 @@ def qualifies(module: nn.Module) -> bool:
 
 
 def convention(module: nn.Module) -> str | None:
-    """The weight convention found for `module` in this process ("w", "1+w", "none" for a weightless
-    norm), None if none or unchecked."""
-    return _CHECKED.get(module)
+    """The weight convention last found for `module` in this process ("w", "1+w", "none" for a
+    weightless norm), None if none or unchecked."""
+    found = _CHECKED.get(module)
+    return list(found.values())[-1] if found else None
 
 
 # (convention, one_plus) pairs tried for a norm with a weight, and for a weightless one
@@ -150,8 +151,9 @@ def _check(module: nn.Module, dtype: torch.dtype, device: torch.device) -> str |
     """Which weight convention the module's own autograd backward has, on seeded rows of `dtype` on
     `device` (its weight's, or the model's for a weightless norm), or None (checked once per module and
     process, before any batch: a check inside a recomputed layer's forward would change what the
-    recomputation saves)."""
-    if module not in _CHECKED:
+    recomputation saves); a model moved to another device or dtype is checked again there."""
+    key = (dtype, str(device))
+    if key not in _CHECKED.setdefault(module, {}):
         weight = module._parameters.get("weight")
         width = weight.shape[0] if weight is not None else 64
         gen = torch.Generator(device=device).manual_seed(0)
@@ -170,8 +172,8 @@ def _check(module: nn.Module, dtype: torch.dtype, device: torch.device) -> str |
             if float(err) < tol:
                 found = name
                 break
-        _CHECKED[module] = found
-    return _CHECKED[module]
+        _CHECKED[module][key] = found
+    return _CHECKED[module][key]
 
 
 @contextlib.contextmanager
