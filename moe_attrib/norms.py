@@ -118,6 +118,11 @@ def _eps(module: nn.Module) -> float | None:
     return None
 
 
+def _in_place(tensor: torch.Tensor) -> bool:
+    """A plain tensor holding its values here: not an FSDP shard (DTensor), not offloaded (meta)."""
+    return type(tensor.data) is torch.Tensor and tensor.device.type != "meta"
+
+
 def qualifies(module: nn.Module) -> bool:
     """An `*RMSNorm` module with a frozen 1-D `weight` (or no parameters and buffers at all: a weightless
     norm), an epsilon and a one-argument forward."""
@@ -127,9 +132,7 @@ def qualifies(module: nn.Module) -> bool:
     if weight is None:
         if next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
             return False
-    elif weight.dim() != 1 or weight.requires_grad:
-        return False
-    elif type(weight.data) is not torch.Tensor or weight.device.type == "meta":  # sharded (FSDP) or not loaded
+    elif weight.dim() != 1 or weight.requires_grad or not _in_place(weight):
         return False
     params = list(inspect.signature(type(module).forward).parameters.values())[1:]
     required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -202,7 +205,7 @@ def fused_norms(model: nn.Module) -> Iterator[list[str]]:
                 continue
             weight = module._parameters.get("weight")
             like = weight if weight is not None else first
-            if like is None or like.device.type == "meta" or type(like.data) is not torch.Tensor:
+            if like is None or not _in_place(like):  # a weightless norm in a sharded or offloaded model
                 continue
             found = _check(module, like.dtype, like.device)
             if found is not None:
