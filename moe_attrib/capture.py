@@ -127,7 +127,8 @@ class Capture:
         self._restore: list[tuple[nn.Module, str, bool, object]] = []
         self._requires_grad: dict[nn.Parameter, bool] = {}
         self._paused = 0
-        self.taps = WeightTaps(model, [t for t in targets if t.kind in ("linear", "router")], self._tapped)
+        tapped = weakref.WeakMethod(self._tapped)  # the taps outlive no capture: no cycle holding its records
+        self.taps = WeightTaps(model, [t for t in targets if t.kind in ("linear", "router")], lambda *a: tapped()(*a))
 
     # -- installation -------------------------------------------------------------------------
     def __enter__(self) -> Capture:

@@ -393,3 +393,36 @@ def test_a_collection_leaves_no_tensor_in_a_reference_cycle(family, padded_batch
             assert tensors() == left
         finally:
             gc.enable()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_build_leaves_nothing_for_the_garbage_collector(recompute, tmp_path):
+    """A finished build frees its collector, capture and projection matrices at once, not at the next
+    garbage collection: on a 48-layer model a cycle through them held 2.4-2.8 GB of GPU memory until then."""
+    import gc
+
+    from moe_attrib.data import Example
+
+    model = tiny_model("qwen3_moe")
+    gen = torch.Generator().manual_seed(0)
+    examples = [Example(i, torch.randint(3, 100, (5 + 3 * i,), generator=gen).tolist()) for i in range(6)]
+
+    def build(path):
+        ma.build_index(
+            model, examples, path, projection_dim=8, token_batch_size=48, recompute=recompute, progress=False
+        )
+
+    build(tmp_path / "first")  # one-time checks and caches
+    gc.collect()
+    gc.disable()
+    try:
+        build(tmp_path / "second")
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        ours = {type(o).__name__ for o in gc.garbage if type(o).__module__.startswith("moe_attrib")}
+        ours |= {"Tensor" for o in gc.garbage if isinstance(o, torch.Tensor)}
+        assert not ours
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
