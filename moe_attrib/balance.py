@@ -83,7 +83,7 @@ def fit_balance(
     *,
     ekfac: EKFAC | None = None,
     unit_normalize: bool = True,
-    coupling: dict | None = None,
+    coupling: dict | Coupling | None = None,
     sample: int = DEFAULT_BALANCE_SAMPLE,
     seed: int = 0,
     device: str | torch.device = "cpu",
@@ -91,9 +91,11 @@ def fit_balance(
 ) -> Balance | None:
     """Fit the balance of `index` for queries prepared with `ekfac` and `unit_normalize`; the output
     layer gets its own coupling fitted with the keyword arguments `coupling` (`fit_coupling`'s
-    `gamma`, `rank`, `sample`; `{}` its defaults, None: no coupling, as when the whole model's
-    scoring has none). None, with a warning, when the index has no output-layer block besides
-    others; None when fewer than two sampled rows are finite."""
+    `gamma`, `rank`, `sample`, `seed`; `{}` its defaults, None: no coupling, as when the whole model's
+    scoring has none), or the whole model's fitted `Coupling`, whose gamma, rank and sample it reuses.
+    None, with a warning, when the index has no output-layer block besides others; None when fewer
+    than two sampled rows are finite."""
+    coupling = coupling_arguments(coupling)
     if not has_output_layer(index):
         warnings.warn(
             f"moe-attrib: index {index.path} has no output-layer block ({OUTPUT_LAYER}) besides other blocks; "
@@ -127,6 +129,30 @@ def fit_balance(
     return Balance(module_columns(index.blocks, OUTPUT_LAYER), output_coupling, rows, settings)
 
 
+_COUPLING_ARGUMENTS = ("gamma", "rank", "sample", "seed")
+
+
+def coupling_arguments(coupling: dict | Coupling | None) -> dict | None:
+    """`fit_balance`'s `coupling` as `fit_coupling` keyword arguments, checked before any work: a
+    fitted `Coupling` gives the gamma, rank and sample it was asked for (what `balance="auto"` uses)."""
+    if coupling is None:
+        return None
+    if isinstance(coupling, Coupling):
+        return {"gamma": coupling.settings["gamma"], **coupling.settings["requested"]}
+    if not isinstance(coupling, dict):
+        raise TypeError(
+            f"fit_balance(coupling=...) takes fit_coupling's keyword arguments as a dict ({{}} for its defaults), "
+            f"a fitted Coupling, or None; got {type(coupling).__name__}."
+        )
+    unknown = sorted(set(coupling) - set(_COUPLING_ARGUMENTS))
+    if unknown:
+        raise TypeError(
+            f"fit_balance(coupling=...): unknown keys {unknown}; the output layer's coupling takes "
+            f"{list(_COUPLING_ARGUMENTS)} (its index, EK-FAC factors, unit_normalize and device are fit_balance's own)."
+        )
+    return dict(coupling)
+
+
 def resolve_balance(
     index: Index,
     balance: Balance | str | None,
@@ -147,11 +173,8 @@ def resolve_balance(
     if isinstance(balance, str):
         if balance != "auto":
             raise ScoreError(f"balance={balance!r}: pass 'auto', None or a Balance from fit_balance.")
-        options = None
-        if coupling is not None:
-            options = {"gamma": coupling.settings["gamma"], **coupling.settings["requested"]}
         return fit_balance(
-            index, ekfac=ekfac, unit_normalize=unit_normalize, coupling=options, device=device, progress=progress
+            index, ekfac=ekfac, unit_normalize=unit_normalize, coupling=coupling, device=device, progress=progress
         )
     want = {
         "data_fingerprint": index.manifest["settings"].get("data_fingerprint"),

@@ -138,3 +138,24 @@ def test_cli_balances_by_default_and_records_it(built, model_dir, tmp_path):  # 
     assert outs["on"][1]["output_balance"] is True and outs["off"][1]["output_balance"] is False
     assert np.abs(outs["on"][0] - outs["off"][0]).max() > 1e-3
     assert res.returncode == 2 and "output-layer balance" in res.stderr
+
+
+def test_fit_balance_takes_the_whole_models_coupling_and_refuses_other_arguments_up_front(synthetic, monkeypatch):
+    """A fitted `Coupling` gives the output layer's coupling its gamma, rank and sample (what `"auto"`
+    fits); a wrong type or an unknown key is a TypeError naming what it takes, before any row is read."""
+    from moe_attrib.coupling import fit_coupling
+
+    index, rows, q, mask = synthetic
+    whole = fit_coupling(index, gamma=0.5, rank=3, sample=40)
+    by_object = fit_balance(index, coupling=whole)
+    by_keys = fit_balance(index, coupling={"gamma": 0.5, "rank": 3, "sample": 40})
+    assert by_object.coupling.settings == by_keys.coupling.settings
+    assert torch.equal(by_object.coupling.left, by_keys.coupling.left)
+    auto = score_matrix(index, q, coupling=whole, balance="auto", device="cpu")
+    explicit = score_matrix(index, q, coupling=whole, balance=by_object, device="cpu")
+    assert np.array_equal(auto, explicit)
+    monkeypatch.setattr(balance_module, "sampled_rows", lambda *a, **k: pytest.fail("rows read"))
+    with pytest.raises(TypeError, match="keyword arguments as a dict"):
+        fit_balance(index, coupling=0.5)
+    with pytest.raises(TypeError, match=r"unknown keys \['gama'\]"):
+        fit_balance(index, coupling={"gama": 0.5})
