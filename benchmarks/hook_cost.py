@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
+import sys
+from functools import partial
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from collect_speed import timed  # noqa: E402
 
 
 def chain(depth: int, width: int) -> list[torch.nn.Linear]:
@@ -46,7 +51,6 @@ def step(layers, x, mode: str, proj: torch.Tensor, sink: list) -> None:
 
 
 def main() -> None:
-    out = []
     for rows, width, depth in ((1024, 2048, 28), (8192, 2048, 28)):
         layers = chain(depth, width)
         x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
@@ -56,14 +60,7 @@ def main() -> None:
         times: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(5):
             for m in modes:
-                for _ in range(3):
-                    step(layers, x, m, proj, sink)
-                torch.cuda.synchronize()
-                for _ in range(20):
-                    t = time.perf_counter()
-                    step(layers, x, m, proj, sink)
-                    torch.cuda.synchronize()
-                    times[m].append(time.perf_counter() - t)
+                times[m].extend(timed(partial(step, layers, x, m, proj, sink), 3, 20)[1])
         base = statistics.median(times["none"])
         row = {"rows": rows, "width": width, "depth": depth, "none_ms": base * 1e3}
         for m in modes[1:]:
@@ -71,7 +68,6 @@ def main() -> None:
             row[f"{m}_ms"] = med * 1e3
             row[f"{m}_us_per_hook"] = (med - base) / depth * 1e6
         print(json.dumps(row), flush=True)
-        out.append(row)
 
 
 if __name__ == "__main__":
