@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 import moe_attrib as ma  # noqa: E402
 from moe_attrib.collector import GradientCollector, example_losses  # noqa: E402
 from moe_attrib.data import Example  # noqa: E402
+from moe_attrib.graphs import GraphedCollector  # noqa: E402
 
 GiB = 1 << 30
 
@@ -136,18 +137,6 @@ def capture_graph(fn, warmup: int = 3) -> tuple:
     return graph, static
 
 
-def graphed_collection(model, report, ids: torch.Tensor, labels: torch.Tensor, p: int) -> tuple:
-    """One collection step captured in a CUDA graph (a probe, `--collect_graph`): no attention mask
-    (transformers' mask check reads the mask on the host).
-    Returns `(graph, its static result, max relative difference to an eager step on the same batch)`."""
-    with GradientCollector(model, report, projection_dim=p) as c:
-        graph, static = capture_graph(lambda: c.collect(ids, None, labels, fused_experts=True))
-        eager = c.collect(ids, None, labels, fused_experts=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph, static, max(rel(static[k], eager[k]) for k in eager)
-
-
 def collect_row(
     name: str,
     model,
@@ -172,12 +161,7 @@ def collect_row(
         peaks[key] = max(peaks.get(key, 0), m)
 
     share = None
-    graphed, graph_error = None, None
-    if graph:
-        try:
-            graphed = graphed_collection(model, report, ids, labels, p)
-        except Exception as err:  # a probe: the row records why capture failed
-            graph_error = f"{type(err).__name__}: {str(err)[:300]}"
+    graph_diff = None
     for _ in range(rounds):
         measure("plain", lambda: plain_step(model, ids, mask, labels))
         with frozen(model):
@@ -202,8 +186,17 @@ def collect_row(
                 cast_matmul(c.kernels)
                 c.collect(ids, mask, labels, fused_experts=True)
                 measure("collect_cast", lambda c=c: c.collect(ids, mask, labels, fused_experts=True))
-        if graphed is not None:
-            measure("collect_graph", graphed[0].replay)
+        if graph:
+            with GradientCollector(model, report, projection_dim=p) as c:
+                graphed = GraphedCollector(c)
+                graphed.collect(ids, labels)  # eager on the first batch, then captured
+                measure("collect_graph", lambda g=graphed: g.collect(ids, labels))
+                if graph_diff is None:
+                    eager = c.collect(ids, None, labels, fused_experts=True)
+                    got = graphed.collect(ids, labels)
+                    graph_diff = max(rel(got[k], eager[k]) for k in eager)
+                    del eager, got
+                del graphed
     if profile:
         from collect_speed import profile_steps
 
@@ -241,11 +234,8 @@ def collect_row(
     if cast:
         row.update(against_plain("collect_cast"))
     if graph:
-        row["collect_graph_error"] = graph_error
-    if graphed is not None:
         row.update(against_plain("collect_graph"))
-        row["collect_graph_max_rel_diff_to_eager"] = graphed[2]
-        del graphed
+        row["collect_graph_max_rel_diff_to_eager"] = graph_diff
     print(json.dumps(row), flush=True)
     return row
 
@@ -256,9 +246,19 @@ def iqr(values: list[float]) -> list[float]:
 
 
 def collect_part(
-    p: int, steps: int, rounds: int, profile: bool = False, cast: bool = False, graph: bool = False
+    p: int,
+    steps: int,
+    rounds: int,
+    profile: bool = False,
+    cast: bool = False,
+    graph: bool = False,
+    only: list[str] | None = None,
 ) -> list[dict]:
     rows = []
+
+    def wanted(name: str) -> bool:
+        return not only or name in only
+
     model = make_model("qwen3-30b-a3b-shaped")
     for name, n, s, repeat in (
         ("qwen3 2x512", 2, 512, 0.0),
@@ -267,15 +267,21 @@ def collect_part(
         ("qwen3 2x4096", 2, 4096, 0.0),
         ("qwen3 4x4096", 4, 4096, 0.0),
     ):
+        if not wanted(name):
+            continue
         small = profile and n * s <= 1024
         rows.append(collect_row(name, model, token_ids(model, n, s, repeat), p, steps, rounds, small, cast, graph))
     del model
     torch.cuda.empty_cache()
     model = make_model("qwen3-30b-a3b-shaped", vocab_size=151936)  # the real model's vocabulary
     for name, n, s in (("qwen3 vocab 151936 2x512", 2, 512), ("qwen3 vocab 151936 2x4096", 2, 4096)):
+        if not wanted(name):
+            continue
         rows.append(collect_row(name, model, token_ids(model, n, s), p, steps, rounds, cast=cast, graph=graph))
     del model
     torch.cuda.empty_cache()
+    if not wanted("olmoe 8x512"):
+        return rows
     model = make_model("olmoe-1b-7b-shaped")
     rows.append(collect_row("olmoe 8x512", model, token_ids(model, 8, 512), p, steps, rounds, cast=cast, graph=graph))
     del model
@@ -543,7 +549,8 @@ def main() -> None:
     parser.add_argument("--memory_tokens", type=int, nargs="+", default=[8192], help="memory48: token batch sizes")
     parser.add_argument("--build_recompute", action="store_true", help="build: also time builds with recompute")
     parser.add_argument("--collect_cast", action="store_true", help="collect: also time the cast-matmul variant")
-    parser.add_argument("--collect_graph", action="store_true", help="collect: also time a CUDA-graphed step (probe)")
+    parser.add_argument("--collect_graph", action="store_true", help="collect: also time GraphedCollector")
+    parser.add_argument("--collect_rows", nargs="+", default=None, help="collect: only these rows (by name)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("e2e.py needs a CUDA GPU")
@@ -564,7 +571,13 @@ def main() -> None:
 
     if "collect" in args.parts:
         results["collect"] = collect_part(
-            args.projection_dim, args.steps, args.rounds, args.profile, args.collect_cast, args.collect_graph
+            args.projection_dim,
+            args.steps,
+            args.rounds,
+            args.profile,
+            args.collect_cast,
+            args.collect_graph,
+            args.collect_rows,
         )
         save()
     if "phases" in args.parts:

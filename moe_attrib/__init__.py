@@ -8,6 +8,7 @@ from moe_attrib.data import DataError, Example, load_examples
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.ekfac import EKFAC, fit_ekfac, load_ekfac
 from moe_attrib.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
+from moe_attrib.graphs import GraphedCollector
 from moe_attrib.index import Index, IndexFileError, load_index
 from moe_attrib.score import (
     ScoreError,
@@ -21,6 +22,7 @@ from moe_attrib.score import (
 from moe_attrib.version import __version__
 
 __all__ = [
+    "GraphedCollector",
     "Balance",
     "Coupling",
     "CoverageReport",

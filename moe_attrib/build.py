@@ -23,9 +23,11 @@ from moe_attrib.data import Example, fingerprint, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
+from moe_attrib.graphs import GraphedCollector
 from moe_attrib.index import DEFAULT_PROJECTION_DIM, FORMAT_VERSION, IndexWriter, column_plan, flatten_rows, part_dir
 from moe_attrib.pipeline import BackgroundWriter, HostCopy, batch_inputs, prefetch, to_device
 from moe_attrib.projection import PROJECTION, check_kind
+from moe_attrib.sharding import is_sharded
 
 
 class NonFiniteGradientError(ValueError):
@@ -85,6 +87,7 @@ def build_index(
     dist: Dist | None = None,
     progress: bool = True,
     recompute: bool = False,
+    cuda_graphs: bool = False,
 ) -> Path:
     """Per-example projected gradients of every example, one index row each (row = example index).
 
@@ -104,11 +107,16 @@ def build_index(
     "float16", "bfloat16") is how rows are stored (`moe_attrib.index`; docs/build.md). `recompute=True`
     keeps only each decoder layer's inputs for the backward and runs the layer again there: the same
     rows with far less activation memory, for one more forward per batch (`moe_attrib.recompute`).
+    `cuda_graphs=True` replays unpadded batches of a shape seen before from a CUDA graph
+    (`moe_attrib.graphs`): the same rows at small token batches' GPU speed, for one step's activations
+    kept per captured shape; padded batches and a shape's first batch run eagerly.
     """
     from moe_attrib.version import __version__
 
     check_kind(projection)
     dist = dist or Dist(0, 1, next(model.parameters()).device)
+    if cuda_graphs:
+        check_graphable(dist.device, recompute, is_sharded(model))
     weights = model_fingerprint(model)
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
     if track_moe_experts and not report.experts and dist.is_main:
@@ -196,16 +204,24 @@ def build_index(
         BackgroundWriter() as background,
         contextlib.closing(prefetch(dist.lockstep(mine, filler=0), prepare)) as ready,
     ):
+        graphed = None
+        if cuda_graphs:  # a shape is captured on its second batch: one-off shapes pay no capture
+            graphed = GraphedCollector(
+                collector, capture_after=2, per_token=attribute_tokens, expert_blocks=expert_blocks
+            )
         for b, real, host in ready:
             ids, mask, labels = to_device(host, dist.device)
-            out = collector.collect(
-                ids,
-                mask,
-                labels,
-                fused_experts=True,
-                per_token=attribute_tokens,
-                expert_blocks=expert_blocks,
-            )
+            if graphed is not None and bool(host[1].all()):  # unpadded: no mask for transformers to read
+                out = graphed.collect(ids, labels)
+            else:
+                out = collector.collect(
+                    ids,
+                    mask,
+                    labels,
+                    fused_experts=True,
+                    per_token=attribute_tokens,
+                    expert_blocks=expert_blocks,
+                )
             if not real:  # a sharded model's filler step (see Dist.lockstep)
                 continue
             members = np.asarray(batches[b])
@@ -233,6 +249,16 @@ def build_index(
         final = writer.finish()
     dist.barrier()
     return final
+
+
+def check_graphable(device: torch.device, recompute: bool, sharded: bool) -> None:
+    """`cuda_graphs` needs a CUDA device and a step with no per-batch Python: a clear error before any work."""
+    if device.type != "cuda":
+        raise ValueError(f"--cuda_graphs needs a CUDA device; this build runs on {device}.")
+    if recompute:
+        raise ValueError("--cuda_graphs and --recompute_layers cannot be combined: recomputing runs Python per layer.")
+    if sharded:
+        raise ValueError("--cuda_graphs cannot replay a sharded (--fsdp) model's collectives; leave one out.")
 
 
 def check_finite(finite: np.ndarray, example_ids: list[int], index: str | Path) -> None:

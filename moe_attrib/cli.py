@@ -155,7 +155,7 @@ def resume_command(argv: list[str]) -> str:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from moe_attrib.build import build_index
+    from moe_attrib.build import build_index, check_graphable
     from moe_attrib.data import DataError
     from moe_attrib.distributed import setup
     from moe_attrib.experts import LayoutError
@@ -171,7 +171,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         return 2
     try:
         dist = fit_model(args, setup(args.device, fsdp=args.fsdp), "build")
-    except (RuntimeError, UsageError) as err:
+        if args.cuda_graphs:
+            check_graphable(dist.device, args.recompute_layers, args.fsdp)
+    except (RuntimeError, UsageError, ValueError) as err:
         print(f"moe-attrib build: error: {err}", file=sys.stderr)
         return 2
     try:
@@ -199,6 +201,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 dist=dist,
                 progress=not args.quiet,
                 recompute=args.recompute_layers,
+                cuda_graphs=args.cuda_graphs,
             )
     except KeyboardInterrupt:
         if part_dir(args.index).exists():
@@ -707,6 +710,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         choices=["float32", "float16", "bfloat16"],
         help="how rows are stored: 16-bit halves the index and scoring time (effect on scores: docs/build.md)",
+    )
+    build.add_argument(
+        "--cuda_graphs",
+        action="store_true",
+        help="replay unpadded batches of a repeated shape from CUDA graphs: the same rows, faster at small "
+        "--token_batch_size (host-bound steps), one step's activations kept per shape (docs/build.md)",
     )
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
     build.add_argument("--overwrite", action="store_true", help="replace an existing index in DIR (only its files)")

@@ -197,6 +197,8 @@ def test_bad_inputs_are_clear_errors(model_dir, tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{not json\n')
     fails(broken, match="broken.jsonl:2")
+    if not torch.cuda.is_available():
+        fails(CORPUS, "--cuda_graphs", "--device", "cpu", match="--cuda_graphs needs a CUDA device")
 
 
 def test_dense_model_with_track_flag_works_with_a_note(tmp_path):

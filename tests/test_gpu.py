@@ -246,3 +246,57 @@ def test_cuda_norm_backward_kernel_matches_autograd(width, one_plus):
     (expected,) = torch.autograd.grad(y, ref_in, dy.double())
     got = rms_norm_backward(x, None if one_plus is None else w, dy, 1e-6, bool(one_plus))
     assert got.dtype == torch.bfloat16 and rel_err(got, expected) < 1e-2, rel_err(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_cuda_graphed_collection_is_the_eager_step(family, dtype):
+    """A replayed graph gives the eager step's gradients, losses and expert counts on new batches of its
+    shape, and results already returned survive the next replay."""
+    model = tiny_model(family, dtype=dtype).cuda()
+    report = ma.discover(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(3, model.config.vocab_size, (3, 16), generator=gen).cuda() for _ in range(3)]
+    with ma.GradientCollector(model, report, projection_dim=8) as c:
+        eager = [c.collect(ids, None, ids, fused_experts=True) for ids in batches]
+        graphed = ma.GraphedCollector(c)
+        got = [graphed.collect(ids) for ids in batches]  # the first eager, then captured, then replays
+        again = graphed.collect(batches[1])
+    assert graphed.captured == 1
+    for want, have in zip(eager, got, strict=True):
+        assert torch.equal(have.expert_counts, want.expert_counts)
+        assert rel_err(have.losses, want.losses) < 1e-6
+        worst = max(rel_err(have[k], want[k]) for k in want if want[k].norm() > 0)
+        assert worst < 1e-5, worst
+    assert max(rel_err(again[k], got[1][k]) for k in again if again[k].norm() > 0) < 1e-5
+    assert rel_err(got[2].losses, eager[2].losses) < 1e-6  # not overwritten by the replay after it
+
+
+def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch):
+    """`build_index(cuda_graphs=True)`: repeated unpadded shapes are replayed, padded batches run eagerly,
+    and the index equals the eager build's."""
+    import numpy as np
+
+    import moe_attrib.build as build
+    from moe_attrib.data import Example
+
+    made = []
+
+    class Counting(ma.GraphedCollector):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(build, "GraphedCollector", Counting)
+    gen = torch.Generator().manual_seed(5)
+    lengths = [12] * 20 + [9, 7, 11, 5]  # five batches of 4 x 12 tokens, then padded ones
+    ex = [Example(i, torch.randint(3, 120, (n,), generator=gen).tolist()) for i, n in enumerate(lengths)]
+    kw = {"projection_dim": 8, "seed": 2, "token_batch_size": 48, "progress": False}
+    model = tiny_model("qwen3_moe").cuda()
+    eager = ma.load_index(ma.build_index(model, ex, tmp_path / "eager", **kw))
+    graphed = ma.load_index(ma.build_index(model, ex, tmp_path / "graphed", cuda_graphs=True, **kw))
+    assert made and made[0].captured == 1 and made[0].replayed == 3
+    a, b = np.asarray(graphed.gradients), np.asarray(eager.gradients)
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+    assert np.allclose(graphed.losses, eager.losses, rtol=1e-6)
+    assert np.array_equal(graphed.expert_counts, eager.expert_counts)

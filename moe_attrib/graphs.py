@@ -1,0 +1,165 @@
+"""CUDA-graphed collection steps: small unpadded batches at the GPU's speed, not the host's.
+
+At about 1k tokens a collection step is bound by the host (Python, dispatch, launches): every op of
+the model's forward and of the capture costs more host time than GPU time. `GraphedCollector` runs
+the first batch of each shape eagerly (the capture's one-time checks and the weight taps' discovery
+happen there), then captures the whole step (forward, backward, per-example formation) in a CUDA
+graph and replays it for every later batch of that shape: one launch instead of a few thousand.
+
+The graphed step is the eager one, bit for bit. One thing made them differ: with no attention mask,
+transformers checks the positions for packed sequences by reading them on the host; under stream
+capture it cannot, assumes packing and builds an explicit causal mask, so attention runs masked on
+repeated key/value heads, another computation than the eager forward's. Positions the model derives
+itself are never packed (the eager check finds none), so capture runs with that check answering
+"not packed" (`unpacked_positions`).
+
+Batches must be unpadded (no attention mask: a mask is read on the host by transformers), of a
+fixed shape per graph, on a CUDA device; results are copied out of the graph's memory before they
+are returned, so they survive the next replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from moe_attrib.collector import GradientCollector, PerExampleGradients
+
+
+@contextlib.contextmanager
+def unpacked_positions() -> Iterator[None]:
+    """While inside, transformers' packed-sequence check (`find_packed_sequence_indices`) says "not
+    packed" without reading the positions on the host. Only for batches whose positions the model
+    derives itself (no `position_ids` passed), where the eager check says the same."""
+    import transformers.masking_utils as masking
+
+    real = getattr(masking, "find_packed_sequence_indices", None)
+    if real is None:
+        raise RuntimeError(
+            "transformers.masking_utils.find_packed_sequence_indices is gone in this transformers version; "
+            "moe-attrib cannot keep a captured forward equal to the eager one. Collect eagerly (no cuda_graphs)."
+        )
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = real
+
+
+class GraphedCollector:
+    """Collection steps replayed from CUDA graphs, one per batch shape `(N, S)`.
+
+    Wraps an entered `GradientCollector` (without `row_sink` or `recompute`: their Python runs per
+    batch); `collect(input_ids, labels)` returns what `collector.collect(input_ids, None, labels,
+    **collect_kwargs)` returns, bit for bit. A shape's first `capture_after - 1` batches run eagerly,
+    its next one eagerly and then captured, and every later one is replayed: a build whose batches
+    rarely repeat a shape pays no capture for them. `max_graphs` bounds the graphs kept (each holds
+    its step's activations in a private memory pool); the oldest is dropped past it.
+    """
+
+    def __init__(
+        self,
+        collector: GradientCollector,
+        *,
+        capture_after: int = 1,
+        max_graphs: int = 4,
+        fused_experts: bool = True,
+        per_token: bool = False,
+        expert_blocks: str = "separate",
+    ):
+        if collector.capture is None:
+            raise RuntimeError("GraphedCollector needs an entered collector: `with GradientCollector(...) as c`.")
+        if collector.row_sink is not None or collector.recompute:
+            raise ValueError(
+                "GraphedCollector replays a fixed step: a collector with a row_sink (EK-FAC covariances) or "
+                "recompute=True runs Python per batch. Collect eagerly with it instead."
+            )
+        if capture_after < 1 or max_graphs < 1:
+            raise ValueError(f"capture_after ({capture_after}) and max_graphs ({max_graphs}) must be at least 1.")
+        self.collector = collector
+        self.capture_after = capture_after
+        self.max_graphs = max_graphs
+        self.kwargs = dict(fused_experts=fused_experts, per_token=per_token, expert_blocks=expert_blocks)
+        self._graphs: dict[tuple, tuple] = {}
+        self._seen: dict[tuple, int] = {}
+        self.captured = 0  # graphs captured so far (for tests and benchmarks)
+        self.replayed = 0
+
+    def collect(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> PerExampleGradients:
+        """Per-example gradients of one unpadded batch (`labels` default to `input_ids`)."""
+        if not input_ids.is_cuda:
+            raise ValueError(f"GraphedCollector needs the batch on a CUDA device; input_ids is on {input_ids.device}.")
+        labels = input_ids if labels is None else labels
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} do not match input_ids {tuple(input_ids.shape)}.")
+        key = (tuple(input_ids.shape), input_ids.dtype, labels.dtype, input_ids.device)
+        entry = self._graphs.get(key)
+        if entry is not None:
+            graph, ids, lab, static, _ = entry
+            ids.copy_(input_ids)
+            lab.copy_(labels)
+            graph.replay()
+            self.replayed += 1
+            return _copied(static)
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        result = self._step(input_ids, labels)
+        if seen >= self.capture_after:
+            self._capture(key, input_ids, labels)
+        return result
+
+    def _step(self, ids: torch.Tensor, labels: torch.Tensor) -> PerExampleGradients:
+        return self.collector.collect(ids, None, labels, **self.kwargs)
+
+    def _capture(self, key: tuple, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """Capture the step for `key`'s shape, after an eager one has run its one-time checks."""
+        ids, lab = input_ids.clone(), labels.clone()
+        side = torch.cuda.Stream(device=ids.device)
+        side.wait_stream(torch.cuda.current_stream(ids.device))
+        with unpacked_positions(), _holding_projections(self.collector) as matrices:
+            with torch.cuda.stream(side):
+                for _ in range(2):  # allocations and lazy state settle off the capture
+                    self._step(ids, lab)
+            torch.cuda.current_stream(ids.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static = self._step(ids, lab)
+        if len(self._graphs) >= self.max_graphs:
+            self._graphs.pop(next(iter(self._graphs)))
+        # the graph reads the projection matrices where they are now: they live as long as it does,
+        # whatever the process-wide projection cache evicts meanwhile
+        self._graphs[key] = (graph, ids, lab, static, matrices)
+        self.captured += 1
+
+
+@contextlib.contextmanager
+def _holding_projections(collector: GradientCollector) -> Iterator[list[torch.Tensor]]:
+    """Yield a list that receives every projection matrix the capture asks for while inside."""
+    capture = collector.capture
+    project = capture.projector
+    matrices: list[torch.Tensor] = []
+    if project is None:
+        yield matrices
+        return
+
+    def holding(*args):
+        matrix = project(*args)
+        if matrix is not None:
+            matrices.append(matrix)
+        return matrix
+
+    capture.projector = holding
+    try:
+        yield matrices
+    finally:
+        capture.projector = project
+
+
+def _copied(static: PerExampleGradients) -> PerExampleGradients:
+    out = PerExampleGradients({k: v.clone() for k, v in static.items()})
+    out.losses = static.losses.clone()
+    out.expert_counts = static.expert_counts.clone()
+    out.expert_layers = list(static.expert_layers)
+    out.missing = static.missing
+    return out

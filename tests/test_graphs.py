@@ -1,0 +1,64 @@
+"""CUDA-graphed collection (`moe_attrib.graphs`): the checks that need no GPU. The graphed step
+itself is compared with the eager one in `tests/test_gpu.py`."""
+
+import pytest
+import torch
+import transformers.masking_utils as masking
+
+import moe_attrib as ma
+from moe_attrib.graphs import GraphedCollector, unpacked_positions
+from moe_attrib.zoo import tiny_model
+
+
+def test_unpacked_positions_answers_not_packed_and_restores_transformers():
+    """The packed-sequence check transformers runs when no mask is given: its eager answer for positions
+    the model derives itself is None, the patched one is None without reading them, and exit restores it."""
+    real = masking.find_packed_sequence_indices
+    positions = torch.arange(12).unsqueeze(0).expand(2, -1)
+    assert real(positions) is None
+    packed = torch.cat([torch.arange(5), torch.arange(7)]).unsqueeze(0)
+    assert real(packed) is not None  # a real packing is found eagerly
+    with unpacked_positions():
+        assert masking.find_packed_sequence_indices is not real
+        assert masking.find_packed_sequence_indices(positions) is None
+    assert masking.find_packed_sequence_indices is real
+
+
+def test_model_forward_is_unchanged_under_unpacked_positions():
+    model = tiny_model("qwen3_moe")
+    ids = torch.randint(3, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = model(input_ids=ids, use_cache=False).logits
+        with unpacked_positions():
+            patched = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(eager, patched)
+
+
+def test_graphed_collector_refuses_what_it_cannot_replay():
+    model = tiny_model("qwen3_moe")
+    report = ma.discover(model)
+    collector = ma.GradientCollector(model, report, projection_dim=4)
+    with pytest.raises(RuntimeError, match="entered collector"):
+        GraphedCollector(collector)
+    with ma.GradientCollector(model, report, projection_dim=4, row_sink=lambda records, batch: None) as c:
+        with pytest.raises(ValueError, match="row_sink"):
+            GraphedCollector(c)
+    with ma.GradientCollector(model, report, projection_dim=4) as c:
+        with pytest.raises(ValueError, match="CUDA device"):
+            GraphedCollector(c).collect(torch.randint(3, 50, (2, 8)))
+
+
+def test_build_index_refuses_cuda_graphs_it_cannot_run(tmp_path):
+    """Before any work: no CUDA device, or recompute (Python per layer); nothing is written."""
+    from moe_attrib.build import check_graphable
+    from moe_attrib.data import Example
+
+    model = tiny_model("qwen3_moe")
+    examples = [Example(i, list(range(3, 11))) for i in range(4)]
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ma.build_index(model, examples, tmp_path / "index", projection_dim=4, cuda_graphs=True, progress=False)
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="recompute_layers"):
+        check_graphable(torch.device("cuda"), recompute=True, sharded=False)
+    with pytest.raises(ValueError, match="fsdp"):
+        check_graphable(torch.device("cuda"), recompute=False, sharded=True)
