@@ -6,21 +6,28 @@ the first batch of each shape eagerly (the capture's one-time checks and the wei
 happen there), then captures the whole step (forward, backward, per-example formation) in a CUDA
 graph and replays it for every later batch of that shape: one launch instead of a few thousand.
 
-The graphed step is the eager one, bit for bit. One thing made them differ: with no attention mask,
-transformers checks the positions for packed sequences by reading them on the host; under stream
+The graphed step runs the eager step's kernels on the same inputs. One thing made them differ: with
+no attention mask, transformers checks the positions for packed sequences by reading them on the host; under stream
 capture it cannot, assumes packing and builds an explicit causal mask, so attention runs masked on
 repeated key/value heads, another computation than the eager forward's. Positions the model derives
 itself are never packed (the eager check finds none), so capture runs with that check answering
-"not packed" (`unpacked_positions`).
+"not packed" (`unpacked_positions`). Measured on an H100 (docs/performance.md), the replayed rows
+differ from a fresh eager step's by at most 2.5e-7 to 3.9e-7 of a block's largest entry at 1k
+tokens, as two eager steps do (3e-7); at 4k by 2.4e-7 in one run and 7.4e-3 in another, where two
+eager steps at 8k differed by 4.2e-3 (the eager backward is not bitwise repeatable at these sizes).
 
 Batches must be unpadded (no attention mask: a mask is read on the host by transformers), of a
 fixed shape per graph, on a CUDA device; results are copied out of the graph's memory before they
-are returned, so they survive the next replay.
+are returned, so they survive the next replay. A step that waits for the device anywhere cannot be
+captured (float32 tiny models, whose experts take transformers' per-expert fallback on CUDA, failed
+to capture on an H100): a trial step with host waits made errors finds that before any capture, a
+failed capture is caught too; either is announced once and every batch then runs eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -53,8 +60,9 @@ class GraphedCollector:
 
     Wraps an entered `GradientCollector` (without `row_sink` or `recompute`: their Python runs per
     batch); `collect(input_ids, labels)` returns what `collector.collect(input_ids, None, labels,
-    **collect_kwargs)` returns, bit for bit. A shape's first `capture_after - 1` batches run eagerly,
-    its next one eagerly and then captured, and every later one is replayed: a build whose batches
+    **collect_kwargs)` returns (as closely as two eager steps agree; see above). A shape's first
+    `capture_after - 1` batches run eagerly, its next one eagerly and then captured, and every later
+    one is replayed: a build whose batches
     rarely repeat a shape pays no capture for them. `max_graphs` bounds the graphs kept (each holds
     its step's activations in a private memory pool); the oldest is dropped past it.
     """
@@ -86,6 +94,7 @@ class GraphedCollector:
         self._seen: dict[tuple, int] = {}
         self.captured = 0  # graphs captured so far (for tests and benchmarks)
         self.replayed = 0
+        self.unsupported: str | None = None  # why the step cannot be captured (then every batch runs eagerly)
 
     def collect(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> PerExampleGradients:
         """Per-example gradients of one unpadded batch (`labels` default to `input_ids`)."""
@@ -94,6 +103,8 @@ class GraphedCollector:
         labels = input_ids if labels is None else labels
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} do not match input_ids {tuple(input_ids.shape)}.")
+        if self.unsupported is not None:
+            return self._step(input_ids, labels)
         key = (tuple(input_ids.shape), input_ids.dtype, labels.dtype, input_ids.device)
         entry = self._graphs.get(key)
         if entry is not None:
@@ -113,18 +124,33 @@ class GraphedCollector:
         return self.collector.collect(ids, None, labels, **self.kwargs)
 
     def _capture(self, key: tuple, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
-        """Capture the step for `key`'s shape, after an eager one has run its one-time checks."""
+        """Capture the step for `key`'s shape, after an eager one has run its one-time checks: a trial
+        step off the capture (a host wait there is an error), a warm-up step, then the capture."""
         ids, lab = input_ids.clone(), labels.clone()
         side = torch.cuda.Stream(device=ids.device)
         side.wait_stream(torch.cuda.current_stream(ids.device))
         with unpacked_positions(), _holding_projections(self.collector) as matrices:
             with torch.cuda.stream(side):
-                for _ in range(2):  # allocations and lazy state settle off the capture
-                    self._step(ids, lab)
+                reason = _host_sync(lambda: self._step(ids, lab))
+                if reason is None:
+                    self._step(ids, lab)  # allocations and lazy state settle off the capture
             torch.cuda.current_stream(ids.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static = self._step(ids, lab)
+            if reason is None:
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph):
+                        static = self._step(ids, lab)
+                except RuntimeError as err:
+                    reason = f"capture failed: {str(err).splitlines()[0][:200]}"
+        if reason is not None:
+            self.unsupported = reason
+            warnings.warn(
+                f"moe-attrib: this collection step cannot be captured in a CUDA graph ({reason}); every batch "
+                "runs eagerly (the same rows). A step with no host wait takes bf16/fp16 experts on CUDA.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
         if len(self._graphs) >= self.max_graphs:
             self._graphs.pop(next(iter(self._graphs)))
         # the graph reads the projection matrices where they are now: they live as long as it does,
@@ -154,6 +180,22 @@ def _holding_projections(collector: GradientCollector) -> Iterator[list[torch.Te
         yield matrices
     finally:
         capture.projector = project
+
+
+def _host_sync(step) -> str | None:
+    """Run `step` with synchronizing CUDA operations made errors; the error's first line if one
+    waited for the device (a capture would fail there), else None."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    except RuntimeError as err:
+        if "synchroniz" not in str(err).lower():
+            raise
+        return str(err).splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return None
 
 
 def _copied(static: PerExampleGradients) -> PerExampleGradients:

@@ -248,12 +248,11 @@ def test_cuda_norm_backward_kernel_matches_autograd(width, one_plus):
     assert got.dtype == torch.bfloat16 and rel_err(got, expected) < 1e-2, rel_err(got, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
-def test_cuda_graphed_collection_is_the_eager_step(family, dtype):
+def test_cuda_graphed_collection_is_the_eager_step(family):
     """A replayed graph gives the eager step's gradients, losses and expert counts on new batches of its
-    shape, and results already returned survive the next replay."""
-    model = tiny_model(family, dtype=dtype).cuda()
+    shape, and results already returned survive the next replay (bf16: the grouped kernels, no host wait)."""
+    model = tiny_model(family, dtype=torch.bfloat16).cuda()
     report = ma.discover(model)
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(3, model.config.vocab_size, (3, 16), generator=gen).cuda() for _ in range(3)]
@@ -270,6 +269,23 @@ def test_cuda_graphed_collection_is_the_eager_step(family, dtype):
         assert worst < 1e-5, worst
     assert max(rel_err(again[k], got[1][k]) for k in again if again[k].norm() > 0) < 1e-5
     assert rel_err(got[2].losses, eager[2].losses) < 1e-6  # not overwritten by the replay after it
+
+
+def test_cuda_graphed_collector_runs_eagerly_where_the_step_waits_for_the_device():
+    """float32 experts on CUDA take transformers' per-expert fallback, which reads the routing on the host:
+    found on a trial step before any capture, announced once, and every batch runs eagerly."""
+    model = tiny_model("qwen3_moe").cuda()
+    report = ma.discover(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(3, model.config.vocab_size, (3, 16), generator=gen).cuda() for _ in range(3)]
+    with ma.GradientCollector(model, report, projection_dim=8) as c:
+        eager = [c.collect(ids, None, ids, fused_experts=True) for ids in batches]
+        graphed = ma.GraphedCollector(c)
+        with pytest.warns(UserWarning, match="cannot be captured"):
+            got = [graphed.collect(ids) for ids in batches]
+    assert graphed.captured == 0 and graphed.unsupported
+    for want, have in zip(eager, got, strict=True):
+        assert max(rel_err(have[k], want[k]) for k in want if want[k].norm() > 0) < 1e-5
 
 
 def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch):
@@ -292,11 +308,11 @@ def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch):
     lengths = [12] * 20 + [9, 7, 11, 5]  # five batches of 4 x 12 tokens, then padded ones
     ex = [Example(i, torch.randint(3, 120, (n,), generator=gen).tolist()) for i, n in enumerate(lengths)]
     kw = {"projection_dim": 8, "seed": 2, "token_batch_size": 48, "progress": False}
-    model = tiny_model("qwen3_moe").cuda()
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16).cuda()
     eager = ma.load_index(ma.build_index(model, ex, tmp_path / "eager", **kw))
     graphed = ma.load_index(ma.build_index(model, ex, tmp_path / "graphed", cuda_graphs=True, **kw))
     assert made and made[0].captured == 1 and made[0].replayed == 3
     a, b = np.asarray(graphed.gradients), np.asarray(eager.gradients)
-    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
-    assert np.allclose(graphed.losses, eager.losses, rtol=1e-6)
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+    assert np.allclose(graphed.losses, eager.losses, rtol=1e-5)
     assert np.array_equal(graphed.expert_counts, eager.expert_counts)
