@@ -10,6 +10,10 @@ and reported as a ratio of medians:
   (`--expert_blocks sum`, the default projection) vs plain training steps over the same batches;
 - memory48: the peak GPU memory of a 48-layer Qwen3-30B-A3B-shaped build vs its weights.
 
+`--collect_graph` also times `GraphedCollector` (the step replayed from a CUDA graph, with its copies
+in and out) in the same rounds, and its largest difference to an eager step; `--collect_rows` keeps
+only the named rows.
+
     python benchmarks/e2e.py --out benchmarks/results/e2e-h200.json [--parts collect phases build memory48]
 
 Scoring is measured by `benchmarks/score_speed.py`.

@@ -20,7 +20,7 @@ Batches must be unpadded (no attention mask: a mask is read on the host by trans
 fixed shape per graph, on a CUDA device; results are copied out of the graph's memory before they
 are returned, so they survive the next replay. A step that waits for the device anywhere cannot be
 captured (float32 tiny models, whose experts take transformers' per-expert fallback on CUDA, failed
-to capture on an H100): a trial step with host waits made errors finds that before any capture, a
+on an H100): a trial step with host waits made errors finds that before any capture, a
 failed capture is caught too; either is announced once and every batch then runs eagerly.
 """
 
