@@ -205,9 +205,10 @@ def build_index(
         contextlib.closing(prefetch(dist.lockstep(mine, filler=0), prepare)) as ready,
     ):
         graphed = None
-        if cuda_graphs:  # a shape is captured on its second batch: one-off shapes pay no capture
+        if cuda_graphs:  # a shape is captured on its second batch: one-off shapes pay no capture;
+            # batches come longest first, so a shape left behind does not come back: keep two graphs
             graphed = GraphedCollector(
-                collector, capture_after=2, per_token=attribute_tokens, expert_blocks=expert_blocks
+                collector, capture_after=2, max_graphs=2, per_token=attribute_tokens, expert_blocks=expert_blocks
             )
         for b, real, host in ready:
             ids, mask, labels = to_device(host, dist.device)
