@@ -6,8 +6,7 @@ and activation backward, no weight gradients) is what the capture's Python and l
 measures that cost per kind of target by collecting with `discover(filter_modules=...)` keeping
 only the experts, only attention's projections, only the routers or only the output layer, and with
 no target at all (the collection forward: fused norms and head, no rows), in interleaved rounds.
-A `torch.profiler` trace with Python frames then gives each moe-attrib / transformers function's
-inclusive host time per step (the profiler's own overhead inflates every figure alike).
+Which functions hold the host: `benchmarks/host_profile.py` (py-spy).
 
     python benchmarks/host_split.py [--batch 2 --seq_len 512 --rounds 5]
 """
@@ -40,27 +39,6 @@ FILTERS = {
 }
 
 
-def python_frames(fn, steps: int = 3, top: int = 40) -> list[tuple[str, float, int]]:
-    """Inclusive host time (us per step) and calls per step of the moe-attrib and transformers functions."""
-    from torch.profiler import ProfilerActivity, profile
-
-    config = torch._C._profiler._ExperimentalConfig(verbose=True)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True, experimental_config=config) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    calls: dict[str, int] = defaultdict(int)
-    for e in prof.events():
-        if "moe_attrib/" in e.name or "transformers/" in e.name:
-            key = e.name.split("site-packages/")[-1]
-            total[key] += e.cpu_time_total
-            calls[key] += 1
-    rows = sorted(total.items(), key=lambda kv: -kv[1])[:top]
-    return [(k, v / steps, calls[k] // steps) for k, v in rows]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=2)
@@ -68,7 +46,6 @@ def main() -> None:
     parser.add_argument("--projection_dim", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--no_profile", action="store_true")
     args = parser.parse_args()
     model = make_model("qwen3-30b-a3b-shaped")
     ids = token_ids(model, args.batch, args.seq_len).cuda()
@@ -95,18 +72,6 @@ def main() -> None:
         for k, v in times.items()
     }
     print(json.dumps({"tokens": ids.numel(), "targets": {k: len(r.targets) for k, r in reports.items()}, "rows": rows}))
-    if args.no_profile:
-        return
-    with GradientCollector(model, reports["all"], projection_dim=args.projection_dim) as c:
-        c.collect(ids, mask, labels, fused_experts=True)
-        frames = python_frames(lambda: c.collect(ids, mask, labels, fused_experts=True))
-    print("== collection step: inclusive host us per step (profiled), calls per step")
-    for name, us, n in frames:
-        print(f"{us:10.0f} {n:5d}  {name}")
-    frames = python_frames(lambda: plain_step(model, ids, mask, labels))
-    print("== plain step: inclusive host us per step (profiled), calls per step")
-    for name, us, n in frames:
-        print(f"{us:10.0f} {n:5d}  {name}")
 
 
 if __name__ == "__main__":
