@@ -15,6 +15,8 @@ itself are never packed (the eager check finds none), so capture runs with that 
 differ from a fresh eager step's by at most 2.5e-7 to 3.9e-7 of a block's largest entry at 1k
 tokens, as two eager steps do (3e-7); at 4k by 2.4e-7 in one run and 7.4e-3 in another, where two
 eager steps at 8k differed by 4.2e-3 (the eager backward is not bitwise repeatable at these sizes).
+Other model code may also take another path under capture, so each graph's first replay is checked
+against the eager step of the same batch (routing, losses, gradients) before the graph is kept.
 
 Batches must be unpadded (no attention mask: a mask is read on the host by transformers), of a
 fixed shape per graph, on a CUDA device; results are copied out of the graph's memory before they
@@ -117,15 +119,17 @@ class GraphedCollector:
         seen = self._seen[key] = self._seen.get(key, 0) + 1
         result = self._step(input_ids, labels)
         if seen >= self.capture_after:
-            self._capture(key, input_ids, labels)
+            self._capture(key, input_ids, labels, result)
         return result
 
     def _step(self, ids: torch.Tensor, labels: torch.Tensor) -> PerExampleGradients:
         return self.collector.collect(ids, None, labels, **self.kwargs)
 
-    def _capture(self, key: tuple, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
-        """Capture the step for `key`'s shape, after an eager one has run its one-time checks: a trial
-        step off the capture (a host wait there is an error), a warm-up step, then the capture."""
+    def _capture(self, key: tuple, input_ids: torch.Tensor, labels: torch.Tensor, eager: PerExampleGradients) -> None:
+        """Capture the step for `key`'s shape, after an eager one (`eager`, on this batch) has run its
+        one-time checks: a trial step off the capture (a host wait there is an error), a warm-up step,
+        the capture, and one replay on this batch checked against `eager` (model code that reads
+        tensors on the host may take another path under capture, as transformers' mask code does)."""
         ids, lab = input_ids.clone(), labels.clone()
         side = torch.cuda.Stream(device=ids.device)
         side.wait_stream(torch.cuda.current_stream(ids.device))
@@ -142,6 +146,9 @@ class GraphedCollector:
                         static = self._step(ids, lab)
                 except RuntimeError as err:
                     reason = f"capture failed: {str(err).splitlines()[0][:200]}"
+                else:
+                    graph.replay()
+                    reason = _disagreement(static, eager)
         if reason is not None:
             self.unsupported = reason
             warnings.warn(
@@ -180,6 +187,27 @@ def _holding_projections(collector: GradientCollector) -> Iterator[list[torch.Te
         yield matrices
     finally:
         capture.projector = project
+
+
+# a replay must give the eager forward's values (losses, routing) and gradients within the eager
+# backward's own run-to-run spread (its attention backward is not bitwise repeatable at 4k-8k tokens)
+LOSS_TOLERANCE = 1e-6
+GRADIENT_TOLERANCE = 5e-2
+
+
+def _disagreement(replayed: PerExampleGradients, eager: PerExampleGradients) -> str | None:
+    """Why a replay of the eager step's batch is not that step's result, or None."""
+    if not torch.equal(replayed.expert_counts, eager.expert_counts):
+        return "the replay routed tokens to other experts than the eager step"
+    loss = float((replayed.losses - eager.losses).abs().max() / eager.losses.abs().max().clamp_min(1e-30))
+    if loss > LOSS_TOLERANCE:
+        return f"the replay's losses differ from the eager step's by {loss:.2e} (relative)"
+    for name, want in eager.items():
+        scale = want.float().abs().max()
+        diff = float((replayed[name].float() - want.float()).abs().max() / scale.clamp_min(1e-30))
+        if scale > 0 and diff > GRADIENT_TOLERANCE:
+            return f"the replay's {name} differs from the eager step's by {diff:.2e} (relative)"
+    return None
 
 
 def _host_sync(step) -> str | None:

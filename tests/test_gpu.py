@@ -289,6 +289,24 @@ def test_cuda_graphed_collector_float32_gives_the_eager_rows_and_says_when_it_ca
         assert graphed.unsupported and sum("cannot be captured" in m for m in caught) == 1
 
 
+def test_cuda_graphed_collector_drops_a_capture_that_is_not_the_eager_step(monkeypatch):
+    """A captured step that computes something else than the eager one (here its losses scaled inside the
+    capture, as a model taking another path under capture would move them) is found on its first replay,
+    dropped with a warning, and every batch runs eagerly."""
+    real = ma.GradientCollector.collect
+
+    def collect(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if torch.cuda.is_current_stream_capturing():
+            out.losses.mul_(1.01)
+        return out
+
+    monkeypatch.setattr(ma.GradientCollector, "collect", collect)
+    graphed, caught = graphed_and_eager(tiny_model("qwen3_moe", dtype=torch.bfloat16).cuda())
+    assert graphed.captured == 0 and "losses differ" in graphed.unsupported
+    assert sum("cannot be captured" in m for m in caught) == 1
+
+
 def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch):
     """`build_index(cuda_graphs=True)`: repeated unpadded shapes are replayed, padded batches run eagerly,
     and the index equals the eager build's."""

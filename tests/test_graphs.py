@@ -62,3 +62,31 @@ def test_build_index_refuses_cuda_graphs_it_cannot_run(tmp_path):
         check_graphable(torch.device("cuda"), recompute=True, sharded=False)
     with pytest.raises(ValueError, match="fsdp"):
         check_graphable(torch.device("cuda"), recompute=False, sharded=True)
+
+
+def _result(grad: torch.Tensor, losses: torch.Tensor, counts: torch.Tensor) -> ma.PerExampleGradients:
+    out = ma.PerExampleGradients({"model.layers.0.mlp.experts.down_proj.weight": grad})
+    out.losses, out.expert_counts, out.expert_layers = losses, counts, ["model.layers.0.mlp.experts"]
+    return out
+
+
+def test_a_replay_is_kept_only_if_it_is_the_eager_step():
+    """The check a first replay passes before its graph is kept: the eager step's routing and losses, and
+    gradients within the eager backward's own spread; any other replay is named and dropped."""
+    from moe_attrib.graphs import GRADIENT_TOLERANCE, _disagreement
+
+    gen = torch.Generator().manual_seed(0)
+    grad, losses = torch.randn(3, 4, 8, 8, generator=gen), torch.rand(3, generator=gen) + 1
+    counts = torch.randint(0, 5, (3, 1, 4), generator=gen).float()
+    eager = _result(grad, losses, counts)
+    assert _disagreement(_result(grad.clone(), losses.clone(), counts.clone()), eager) is None
+    noisy = grad + 0.1 * GRADIENT_TOLERANCE * grad.abs().max() * torch.randn(grad.shape, generator=gen).clamp(-1, 1)
+    assert _disagreement(_result(noisy, losses.clone(), counts.clone()), eager) is None
+    moved = counts.clone()
+    moved[0, 0, 0] += 1  # one token routed to expert 0 instead of expert 1
+    moved[0, 0, 1] -= 1
+    assert "other experts" in _disagreement(_result(grad, losses, moved), eager)
+    assert "losses differ" in _disagreement(_result(grad, losses * (1 + 1e-4), counts), eager)
+    off = grad.clone()
+    off[1, 2] += 2 * GRADIENT_TOLERANCE * grad.abs().max()
+    assert "experts.down_proj.weight differs" in _disagreement(_result(off, losses, counts), eager)
