@@ -165,7 +165,7 @@ def collect_row(
         peaks[key] = max(peaks.get(key, 0), m)
 
     share = None
-    graph_diff = None
+    graph_diff, graph_unsupported = None, None
     for _ in range(rounds):
         measure("plain", lambda: plain_step(model, ids, mask, labels))
         with frozen(model):
@@ -194,6 +194,7 @@ def collect_row(
             with GradientCollector(model, report, projection_dim=p) as c:
                 graphed = GraphedCollector(c)
                 graphed.collect(ids, labels)  # eager on the first batch, then captured
+                graph_unsupported = graphed.unsupported  # set: every "graphed" step ran eagerly
                 measure("collect_graph", lambda g=graphed: g.collect(ids, labels))
                 if graph_diff is None:
                     eager = c.collect(ids, None, labels, fused_experts=True)
@@ -240,6 +241,7 @@ def collect_row(
     if graph:
         row.update(against_plain("collect_graph"))
         row["collect_graph_max_rel_diff_to_eager"] = graph_diff
+        row["collect_graph_not_captured_because"] = graph_unsupported
     print(json.dumps(row), flush=True)
     return row
 
