@@ -142,7 +142,9 @@ class GraphedCollector:
             if reason is None:
                 graph = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(graph):
+                    # thread_local: a build's prefetch and writer threads pin memory and wait for
+                    # copies meanwhile; only this thread's calls must be capturable
+                    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                         static = self._step(ids, lab)
                 except RuntimeError as err:
                     reason = f"capture failed: {str(err).splitlines()[0][:200]}"
