@@ -59,9 +59,7 @@ def single_ops() -> None:
     compare("SDPA causal gqa", lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
 
 
-def layer_parts(unpacked: bool) -> None:
-    model = make_model("qwen3-30b-a3b-shaped")
-    ids = token_ids(model, 2, 512).cuda()
+def layer_parts(model, ids: torch.Tensor, unpacked: bool) -> None:
     layer = model.model.layers[0]
     attn = layer.self_attn
     parts = {
@@ -110,35 +108,37 @@ def layer_parts(unpacked: bool) -> None:
             h.remove()
 
 
-def sdpa_call() -> None:
-    """The arguments transformers passes to SDPA in the model (shapes, strides, keywords)."""
-    model = make_model("qwen3-30b-a3b-shaped")
-    ids = token_ids(model, 2, 512).cuda()
+@contextlib.contextmanager
+def sdpa_spied(spy):
+    """`F.scaled_dot_product_attention` replaced by `spy(real, *args, **kwargs)` while inside (transformers
+    looks it up on the module at each call)."""
     real = F.scaled_dot_product_attention
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append(([(tuple(a.shape), a.stride(), a.dtype) for a in args[:3]], {k: v for k, v in kwargs.items()}))
-        return real(*args, **kwargs)
-
-    F.scaled_dot_product_attention = spy
+    F.scaled_dot_product_attention = lambda *args, **kwargs: spy(real, *args, **kwargs)
     try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
+        yield
     finally:
         F.scaled_dot_product_attention = real
+
+
+def sdpa_call(model, ids: torch.Tensor) -> None:
+    """The arguments transformers passes to SDPA in the model (shapes, strides, keywords)."""
+    calls = []
+
+    def spy(real, *args, **kwargs):
+        calls.append(([(tuple(a.shape), a.stride(), a.dtype) for a in args[:3]], dict(kwargs)))
+        return real(*args, **kwargs)
+
+    with sdpa_spied(spy), torch.no_grad():
+        model(input_ids=ids, use_cache=False)
     print(f"  SDPA as the model calls it: {calls[0] if calls else 'not through F.scaled_dot_product_attention'}")
 
 
-def sdpa_in_model(prepare: str) -> None:
+def sdpa_in_model(model, ids: torch.Tensor, prepare: str) -> None:
     """Layer 0's SDPA inputs and output in the model, eager vs captured; `prepare`: "as is" or
     "contiguous" (its inputs made contiguous first, in both runs)."""
-    model = make_model("qwen3-30b-a3b-shaped")
-    ids = token_ids(model, 2, 512).cuda()
-    real = F.scaled_dot_product_attention
     seen: list[list[torch.Tensor]] = []
 
-    def spy(q, k, v, *args, **kwargs):
+    def spy(real, q, k, v, *args, **kwargs):
         if prepare == "contiguous":
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = real(q, k, v, *args, **kwargs)
@@ -150,16 +150,13 @@ def sdpa_in_model(prepare: str) -> None:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
 
-    F.scaled_dot_product_attention = spy
-    try:
+    with sdpa_spied(spy):
         forward()
         eager = list(seen[0])
         graph, _ = capture_graph(forward)
         captured = seen[0]
         graph.replay()
         torch.cuda.synchronize()
-    finally:
-        F.scaled_dot_product_attention = real
     names = ("q", "k", "v", "out")
     shapes = {n: (tuple(c.shape), tuple(e.shape)) for n, c, e in zip(names, captured, eager, strict=True)}
     diffs = {
@@ -171,14 +168,16 @@ def sdpa_in_model(prepare: str) -> None:
 
 def main() -> None:
     print(f"CUBLAS_WORKSPACE_CONFIG={os.environ.get('CUBLAS_WORKSPACE_CONFIG')}", flush=True)
-    sdpa_call()
+    model = make_model("qwen3-30b-a3b-shaped")
+    ids = token_ids(model, 2, 512).cuda()
+    sdpa_call(model, ids)
     if "--sdpa" in sys.argv:
-        sdpa_in_model("as is")
-        sdpa_in_model("contiguous")
+        sdpa_in_model(model, ids, "as is")
+        sdpa_in_model(model, ids, "contiguous")
         return
     single_ops()
-    layer_parts(unpacked=False)
-    layer_parts(unpacked=True)
+    layer_parts(model, ids, unpacked=False)
+    layer_parts(model, ids, unpacked=True)
 
 
 if __name__ == "__main__":
