@@ -7,23 +7,24 @@ happen there), then captures the whole step (forward, backward, per-example form
 graph and replays it for every later batch of that shape: one launch instead of a few thousand.
 
 The graphed step runs the eager step's kernels on the same inputs. One thing made them differ: with
-no attention mask, transformers checks the positions for packed sequences by reading them on the host; under stream
-capture it cannot, assumes packing and builds an explicit causal mask, so attention runs masked on
-repeated key/value heads, another computation than the eager forward's. Positions the model derives
-itself are never packed (the eager check finds none), so capture runs with that check answering
-"not packed" (`unpacked_positions`). Measured on an H100 (docs/performance.md), the replayed rows
-differ from a fresh eager step's by at most 2.5e-7 to 3.9e-7 of a block's largest entry at 1k
-tokens, as two eager steps do (3e-7); at 4k by 2.4e-7 in one run and 7.4e-3 in another, where two
-eager steps at 8k differed by 4.2e-3 (the eager backward is not bitwise repeatable at these sizes).
-Other model code may also take another path under capture, so each graph's first replay is checked
-against the eager step of the same batch (routing, losses, gradients) before the graph is kept.
+no attention mask, transformers checks the positions for packed sequences by reading them on the
+host; under stream capture it cannot, assumes packing and builds an explicit causal mask, so
+attention runs masked on repeated key/value heads, another computation than the eager forward's.
+Positions the model derives itself are never packed (the eager check finds none), so capture runs
+with that check answering "not packed" (`unpacked_positions`). Measured on an H100
+(docs/performance.md), the replayed rows differ from a fresh eager step's by at most 2.5e-7 to
+3.9e-7 of a block's largest entry at 1k tokens, as two eager steps do (3e-7); at 4k by 2.4e-7 in one
+run and 7.4e-3 in another, where two eager steps at 8k differed by 4.2e-3 (the eager backward is not
+bitwise repeatable at these sizes). Other model code may also take another path under capture, so
+each graph's first replay is checked against the eager step of the same batch (routing, losses,
+gradients) before the graph is kept.
 
-Batches must be unpadded (no attention mask: a mask is read on the host by transformers), of a
-fixed shape per graph, on a CUDA device; results are copied out of the graph's memory before they
-are returned, so they survive the next replay. A step that waits for the device anywhere cannot be
+Batches must be unpadded (no attention mask: a mask is read on the host by transformers), of a fixed
+shape per graph, on a CUDA device; results are copied out of the graph's memory before they are
+returned, so they survive the next replay. A step that waits for the device anywhere cannot be
 captured (float32 tiny models, whose experts take transformers' per-expert fallback on CUDA, failed
-on an H100): a trial step with host waits made errors finds that before any capture, a
-failed capture is caught too; either is announced once and every batch then runs eagerly.
+on an H100): a trial step with host waits made errors finds that before any capture, a failed
+capture is caught too; either is announced once and every batch then runs eagerly.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ class GraphedCollector:
     batch); `collect(input_ids, labels)` returns what `collector.collect(input_ids, None, labels,
     **collect_kwargs)` returns (as closely as two eager steps agree; see above). A shape's first
     `capture_after - 1` batches run eagerly, its next one eagerly and then captured, and every later
-    one is replayed: a build whose batches
-    rarely repeat a shape pays no capture for them. `max_graphs` bounds the graphs kept (each holds
-    its step's activations in a private memory pool); the oldest is dropped past it.
+    one is replayed: a build whose batches rarely repeat a shape pays no capture for them.
+    `max_graphs` bounds the graphs kept (each holds its step's activations in a private memory
+    pool); the oldest is dropped past it.
     """
 
     def __init__(
