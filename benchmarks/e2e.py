@@ -301,7 +301,14 @@ def examples_for(model, count: int, seq_len: int = 512) -> list[Example]:
 
 
 def build_once(
-    model, exs, path: Path, p: int | None, blocks: str, token_batch_size: int, recompute: bool = False
+    model,
+    exs,
+    path: Path,
+    p: int | None,
+    blocks: str,
+    token_batch_size: int,
+    recompute: bool = False,
+    cuda_graphs: bool = False,
 ) -> float:
     shutil.rmtree(path, ignore_errors=True)
     torch.cuda.synchronize()
@@ -316,18 +323,30 @@ def build_once(
         expert_blocks=blocks,
         progress=False,
         recompute=recompute,
+        cuda_graphs=cuda_graphs,
     )
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool, recompute: bool = False) -> dict:
-    """`build_index` vs plain steps over the same 8192-token batches, interleaved; projection drawing
-    shows in the first round only if it is one-time per process."""
+def build_part(
+    layers: int,
+    examples: int,
+    p: int,
+    rounds: int,
+    profile: bool,
+    recompute: bool = False,
+    graphs: bool = False,
+    token_batch: int = 8192,
+) -> dict:
+    """`build_index` vs plain steps over the same `token_batch`-token batches, interleaved; projection drawing
+    shows in the first round only if it is one-time per process. `graphs`: also `build_index(cuda_graphs=True)`,
+    with its rows compared to the eager build's."""
     model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
     exs = examples_for(model, examples)
     path = Path("/tmp/e2e-index")
-    batches = [torch.tensor([ex.input_ids for ex in exs[i : i + 16]]) for i in range(0, examples, 16)]
+    per_batch = token_batch // 512
+    batches = [torch.tensor([ex.input_ids for ex in exs[i : i + per_batch]]) for i in range(0, examples, per_batch)]
     tokens = examples * 512
 
     def plain_pass() -> float:
@@ -340,16 +359,22 @@ def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool, r
         return time.perf_counter() - start
 
     plain_pass()  # warm-up
-    build_s, plain_s, recompute_s = [], [], []
+    build_s, plain_s, recompute_s, graph_s = [], [], [], []
+    graph_path = Path("/tmp/e2e-index-graphs")
+    first_rows = None
     torch.cuda.reset_peak_memory_stats()
     for _ in range(rounds):
-        build_s.append(build_once(model, exs, path, p, "sum", 8192))
+        build_s.append(build_once(model, exs, path, p, "sum", token_batch))
+        if first_rows is None:
+            first_rows = torch.tensor(np.array(ma.load_index(path).gradients, dtype=np.float32))
         plain_s.append(plain_pass())
         if recompute:
-            recompute_s.append(build_once(model, exs, path, p, "sum", 8192, recompute=True))
+            recompute_s.append(build_once(model, exs, path, p, "sum", token_batch, recompute=True))
+        if graphs:
+            graph_s.append(build_once(model, exs, graph_path, p, "sum", token_batch, cuda_graphs=True))
     index = ma.load_index(path)
     row = {
-        "row": f"build_index, qwen3 shape, {layers} layers, {examples}x512, sum blocks, p={p}",
+        "row": f"build_index, qwen3 shape, {layers} layers, {examples}x512, {token_batch}-token batches, sum, p={p}",
         "params": sum(q.numel() for q in model.parameters()),
         "index_dim": index.gradients.shape[1],
         "tokens": tokens,
@@ -364,6 +389,19 @@ def build_part(layers: int, examples: int, p: int, rounds: int, profile: bool, r
     if recompute:
         row["recompute_s"] = recompute_s
         row["recompute_ratio_of_plain_tok_s"] = statistics.median(plain_s) / statistics.median(recompute_s)
+    eager_rows = torch.tensor(np.array(index.gradients, dtype=np.float32))
+    row["eager_repeat_max_rel_diff"] = float(
+        (first_rows - eager_rows).abs().max() / eager_rows.abs().max().clamp_min(1e-30)
+    )
+    if graphs:
+        graph_rows = torch.tensor(np.array(ma.load_index(graph_path).gradients, dtype=np.float32))
+        row["graphs_s"] = graph_s
+        row["graphs_tok_s"] = tokens / statistics.median(graph_s[1:] or graph_s)
+        row["graphs_ratio_of_plain_tok_s"] = row["graphs_tok_s"] / row["plain_tok_s"]
+        row["graphs_max_rel_diff_to_eager"] = float(
+            (graph_rows - eager_rows).abs().max() / eager_rows.abs().max().clamp_min(1e-30)
+        )
+        shutil.rmtree(graph_path, ignore_errors=True)
     print(json.dumps(row), flush=True)
     if profile:
         profile_build(model, exs[:32], path, p)
@@ -554,6 +592,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of a build")
     parser.add_argument("--memory_tokens", type=int, nargs="+", default=[8192], help="memory48: token batch sizes")
     parser.add_argument("--build_recompute", action="store_true", help="build: also time builds with recompute")
+    parser.add_argument("--build_tokens", type=int, default=8192, help="build: tokens per batch (512 per example)")
+    parser.add_argument("--build_graphs", action="store_true", help="build: also time builds with cuda_graphs")
     parser.add_argument("--collect_cast", action="store_true", help="collect: also time the cast-matmul variant")
     parser.add_argument("--collect_graph", action="store_true", help="collect: also time GraphedCollector")
     parser.add_argument("--collect_rows", nargs="+", default=None, help="collect: only these rows (by name)")
@@ -591,7 +631,14 @@ def main() -> None:
         save()
     if "build" in args.parts:
         results["build"] = build_part(
-            args.build_layers, args.build_examples, args.projection_dim, args.rounds, args.profile, args.build_recompute
+            args.build_layers,
+            args.build_examples,
+            args.projection_dim,
+            args.rounds,
+            args.profile,
+            args.build_recompute,
+            args.build_graphs,
+            args.build_tokens,
         )
         save()
     if "coupling" in args.parts:
