@@ -23,7 +23,7 @@ from moe_attrib.data import Example, fingerprint, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.graphs import GraphedCollector
+from moe_attrib.graphs import AUTO_MIN_BATCHES, GraphedCollector, graphed_shapes
 from moe_attrib.index import DEFAULT_PROJECTION_DIM, FORMAT_VERSION, IndexWriter, column_plan, flatten_rows, part_dir
 from moe_attrib.pipeline import BackgroundWriter, HostCopy, batch_inputs, prefetch, to_device
 from moe_attrib.projection import PROJECTION, check_kind
@@ -87,7 +87,7 @@ def build_index(
     dist: Dist | None = None,
     progress: bool = True,
     recompute: bool = False,
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | None = None,
 ) -> Path:
     """Per-example projected gradients of every example, one index row each (row = example index).
 
@@ -109,7 +109,9 @@ def build_index(
     rows with far less activation memory, for one more forward per batch (`moe_attrib.recompute`).
     `cuda_graphs=True` replays unpadded batches of a shape seen before from a CUDA graph
     (`moe_attrib.graphs`): the same rows at small token batches' GPU speed, for one step's activations
-    kept per captured shape; padded batches and a shape's first batch run eagerly.
+    kept per captured shape; padded batches and a shape's first batch run eagerly. The default (None)
+    does so where it pays and can run: on CUDA, without recompute or sharding, for shapes of at least
+    `AUTO_MIN_BATCHES` batches (fixed-length chunks); `False` never.
     """
     from moe_attrib.version import __version__
 
@@ -117,6 +119,8 @@ def build_index(
     dist = dist or Dist(0, 1, next(model.parameters()).device)
     if cuda_graphs:
         check_graphable(dist.device, recompute, is_sharded(model))
+    elif cuda_graphs is None and graphs_unavailable(dist.device, recompute, is_sharded(model)) is not None:
+        cuda_graphs = False
     weights = model_fingerprint(model)
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
     if track_moe_experts and not report.experts and dist.is_main:
@@ -185,6 +189,10 @@ def build_index(
 
     mine = [b for b in range(len(batches)) if b % dist.world == dist.rank and not writer.is_done(b)]
     tokens = sum(len(examples[i].input_ids) for b in mine for i in batches[b])
+    shapes: set[tuple[int, int]] = set()
+    if cuda_graphs is not False:
+        repeats = 2 if cuda_graphs else AUTO_MIN_BATCHES  # asked for: any shape seen twice
+        shapes = graphed_shapes([[int(lengths[i]) for i in batches[b]] for b in mine], repeats)
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc=f"build rank {dist.rank}", disable=not progress)
     start = time.perf_counter()
     pin = dist.device.type == "cuda"
@@ -205,14 +213,13 @@ def build_index(
         contextlib.closing(prefetch(dist.lockstep(mine, filler=0), prepare)) as ready,
     ):
         graphed = None
-        if cuda_graphs:  # a shape is captured on its second batch: one-off shapes pay no capture;
-            # batches come longest first, so a shape left behind does not come back: keep two graphs
+        if shapes:  # batches come longest first, so a shape left behind does not come back: keep two graphs
             graphed = GraphedCollector(
-                collector, capture_after=2, max_graphs=2, per_token=attribute_tokens, expert_blocks=expert_blocks
+                collector, capture_after=1, max_graphs=2, per_token=attribute_tokens, expert_blocks=expert_blocks
             )
         for b, real, host in ready:
             ids, mask, labels = to_device(host, dist.device)
-            if graphed is not None and bool(host[1].all()):  # unpadded: no mask for transformers to read
+            if graphed is not None and tuple(ids.shape) in shapes and bool(host[1].all()):  # unpadded: no mask
                 out = graphed.collect(ids, labels)
             else:
                 out = collector.collect(
@@ -252,14 +259,22 @@ def build_index(
     return final
 
 
-def check_graphable(device: torch.device, recompute: bool, sharded: bool) -> None:
-    """`cuda_graphs` needs a CUDA device and a step with no per-batch Python: a clear error before any work."""
+def graphs_unavailable(device: torch.device, recompute: bool, sharded: bool) -> str | None:
+    """Why a build on `device` cannot replay CUDA graphs (a CUDA device, no per-batch Python), or None."""
     if device.type != "cuda":
-        raise ValueError(f"--cuda_graphs needs a CUDA device; this build runs on {device}.")
+        return f"--cuda_graphs needs a CUDA device; this build runs on {device}."
     if recompute:
-        raise ValueError("--cuda_graphs and --recompute_layers cannot be combined: recomputing runs Python per layer.")
+        return "--cuda_graphs and --recompute_layers cannot be combined: recomputing runs Python per layer."
     if sharded:
-        raise ValueError("--cuda_graphs cannot replay a sharded (--fsdp) model's collectives; leave one out.")
+        return "--cuda_graphs cannot replay a sharded (--fsdp) model's collectives; leave one out."
+    return None
+
+
+def check_graphable(device: torch.device, recompute: bool, sharded: bool) -> None:
+    """`cuda_graphs=True` that cannot run: a clear error before any work."""
+    reason = graphs_unavailable(device, recompute, sharded)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def check_finite(finite: np.ndarray, example_ids: list[int], index: str | Path) -> None:

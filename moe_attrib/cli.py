@@ -171,7 +171,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         return 2
     try:
         dist = fit_model(args, setup(args.device, fsdp=args.fsdp), "build")
-        if args.cuda_graphs:
+        if args.cuda_graphs == "on":
             check_graphable(dist.device, args.recompute_layers, args.fsdp)
     except (RuntimeError, UsageError, ValueError) as err:
         print(f"moe-attrib build: error: {err}", file=sys.stderr)
@@ -201,7 +201,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 dist=dist,
                 progress=not args.quiet,
                 recompute=args.recompute_layers,
-                cuda_graphs=args.cuda_graphs,
+                cuda_graphs={"on": True, "off": False, "auto": None}[args.cuda_graphs],
             )
     except KeyboardInterrupt:
         if part_dir(args.index).exists():
@@ -713,9 +713,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.add_argument(
         "--cuda_graphs",
-        action="store_true",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=["auto", "on", "off"],
         help="replay unpadded batches of a repeated shape from CUDA graphs: the same rows, faster at small "
-        "--token_batch_size (host-bound steps), one step's activations kept per shape (docs/build.md)",
+        "--token_batch_size (host-bound steps). auto (default): on CUDA, for shapes of >= 32 batches; "
+        "on (or the bare flag): every repeated shape, an error where it cannot run; off: never (docs/build.md)",
     )
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
     build.add_argument("--overwrite", action="store_true", help="replace an existing index in DIR (only its files)")

@@ -307,9 +307,11 @@ def test_cuda_graphed_collector_drops_a_capture_that_is_not_the_eager_step(monke
     assert sum("cannot be captured" in m for m in caught) == 1
 
 
-def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch):
-    """`build_index(cuda_graphs=True)`: repeated unpadded shapes are replayed, padded batches run eagerly,
-    and the index equals the eager build's."""
+@pytest.mark.parametrize("cuda_graphs, repeats", [(True, 5), (None, 33)])
+def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch, cuda_graphs, repeats):
+    """`build_index(cuda_graphs=True)` replays every repeated unpadded shape, the default (None) a shape of
+    `AUTO_MIN_BATCHES` batches or more; padded batches run eagerly, and the index equals the eager build's
+    (`cuda_graphs=False`)."""
     import numpy as np
 
     import moe_attrib.build as build
@@ -324,13 +326,14 @@ def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build, "GraphedCollector", Counting)
     gen = torch.Generator().manual_seed(5)
-    lengths = [12] * 20 + [9, 7, 11, 5]  # five batches of 4 x 12 tokens, then padded ones
+    lengths = [12] * (4 * repeats) + [9, 7, 11, 5]  # `repeats` batches of 4 x 12 tokens, then padded ones
     ex = [Example(i, torch.randint(3, 120, (n,), generator=gen).tolist()) for i, n in enumerate(lengths)]
     kw = {"projection_dim": 8, "seed": 2, "token_batch_size": 48, "progress": False}
     model = tiny_model("qwen3_moe", dtype=torch.bfloat16).cuda()
-    eager = ma.load_index(ma.build_index(model, ex, tmp_path / "eager", **kw))
-    graphed = ma.load_index(ma.build_index(model, ex, tmp_path / "graphed", cuda_graphs=True, **kw))
-    assert made and made[0].captured == 1 and made[0].replayed == 3
+    eager = ma.load_index(ma.build_index(model, ex, tmp_path / "eager", cuda_graphs=False, **kw))
+    assert not made
+    graphed = ma.load_index(ma.build_index(model, ex, tmp_path / "graphed", cuda_graphs=cuda_graphs, **kw))
+    assert made and made[0].captured == 1 and made[0].replayed == repeats - 1
     a, b = np.asarray(graphed.gradients), np.asarray(eager.gradients)
     assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
     assert np.allclose(graphed.losses, eager.losses, rtol=1e-5)

@@ -6,7 +6,7 @@ import torch
 import transformers.masking_utils as masking
 
 import moe_attrib as ma
-from moe_attrib.graphs import GraphedCollector, unpacked_positions
+from moe_attrib.graphs import GraphedCollector, graphed_shapes, unpacked_positions
 from moe_attrib.zoo import tiny_model
 
 
@@ -64,6 +64,33 @@ def test_build_index_refuses_cuda_graphs_it_cannot_run(tmp_path):
         check_graphable(torch.device("cuda"), recompute=False, sharded=True)
 
 
+def test_graphed_shapes_are_unpadded_shapes_that_repeat_enough():
+    """Against a count by hand: padded batches never count, a shape counts once per batch."""
+    batches = [[8, 8]] * 3 + [[8, 7]] * 5 + [[5, 5, 5]] * 2 + [[8]] * 2 + [[]]
+    assert graphed_shapes(batches, 2) == {(2, 8), (3, 5), (1, 8)}
+    assert graphed_shapes(batches, 3) == {(2, 8)}
+    assert graphed_shapes(batches, 4) == set()
+
+
+def test_default_build_on_cpu_runs_eagerly_and_asks_for_nothing(tmp_path):
+    """`cuda_graphs=None` (the default) where graphs cannot run is the eager build: same rows as
+    `cuda_graphs=False`, no warning."""
+    import warnings
+
+    import numpy as np
+
+    from moe_attrib.data import Example
+
+    model = tiny_model("qwen3_moe")
+    examples = [Example(i, list(range(3 + i % 3, 11 + i % 3))) for i in range(40)]
+    kw = {"projection_dim": 4, "token_batch_size": 8, "progress": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto = ma.load_index(ma.build_index(model, examples, tmp_path / "auto", **kw))
+    off = ma.load_index(ma.build_index(model, examples, tmp_path / "off", cuda_graphs=False, **kw))
+    assert np.array_equal(np.asarray(auto.gradients), np.asarray(off.gradients))
+
+
 def _result(grad: torch.Tensor, losses: torch.Tensor, counts: torch.Tensor) -> ma.PerExampleGradients:
     out = ma.PerExampleGradients({"model.layers.0.mlp.experts.down_proj.weight": grad})
     out.losses, out.expert_counts, out.expert_layers = losses, counts, ["model.layers.0.mlp.experts"]
@@ -90,3 +117,18 @@ def test_a_replay_is_kept_only_if_it_is_the_eager_step():
     off = grad.clone()
     off[1, 2] += 2 * GRADIENT_TOLERANCE * grad.abs().max()
     assert "experts.down_proj.weight differs" in _disagreement(_result(off, losses, counts), eager)
+
+
+def test_build_command_line_cuda_graphs_modes():
+    """`--cuda_graphs` absent is auto, bare is on, and anything but auto/on/off is refused."""
+    from moe_attrib.cli import build_parser
+
+    parser = build_parser()
+
+    def mode(*extra: str) -> str:
+        return parser.parse_args(["build", "MODEL", "DATA", "--index", "DIR", *extra]).cuda_graphs
+
+    assert mode() == "auto" and mode("--cuda_graphs") == "on" and mode("--cuda_graphs", "off") == "off"
+    assert mode("--cuda_graphs", "--resume") == "on"
+    with pytest.raises(SystemExit):
+        mode("--cuda_graphs", "maybe")
