@@ -26,6 +26,7 @@ from moe_attrib.checks import (
     positive_int,
 )
 from moe_attrib.distributed import teardown
+from moe_attrib.graphs import AUTO_MIN_BATCHES
 from moe_attrib.loading import load_model, load_tokenizer, model_name, resolve_precision
 
 
@@ -718,7 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "on", "off"],
         help="replay unpadded batches of a repeated shape from CUDA graphs: the same rows, faster at small "
-        "--token_batch_size (host-bound steps). auto (default): on CUDA, for shapes of >= 32 batches; "
+        f"--token_batch_size (host-bound steps). auto (default): on CUDA, for shapes of >= {AUTO_MIN_BATCHES} batches; "
         "on (or the bare flag): every repeated shape, an error where it cannot run; off: never (docs/build.md)",
     )
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
