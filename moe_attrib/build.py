@@ -117,10 +117,12 @@ def build_index(
 
     check_kind(projection)
     dist = dist or Dist(0, 1, next(model.parameters()).device)
+    graph_min_batches = 0  # batches of one shape that earn it a graph; 0: no graphs
     if cuda_graphs:
         check_graphable(dist.device, recompute, is_sharded(model))
-    elif cuda_graphs is None and graphs_unavailable(dist.device, recompute, is_sharded(model)) is not None:
-        cuda_graphs = False
+        graph_min_batches = 2  # asked for: any shape seen twice
+    elif cuda_graphs is None and graphs_unavailable(dist.device, recompute, is_sharded(model)) is None:
+        graph_min_batches = AUTO_MIN_BATCHES
     weights = model_fingerprint(model)
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
     if track_moe_experts and not report.experts and dist.is_main:
@@ -189,10 +191,11 @@ def build_index(
 
     mine = [b for b in range(len(batches)) if b % dist.world == dist.rank and not writer.is_done(b)]
     tokens = sum(len(examples[i].input_ids) for b in mine for i in batches[b])
-    shapes: set[tuple[int, int]] = set()
-    if cuda_graphs is not False:
-        repeats = 2 if cuda_graphs else AUTO_MIN_BATCHES  # asked for: any shape seen twice
-        shapes = graphed_shapes([[int(lengths[i]) for i in batches[b]] for b in mine], repeats)
+    shapes = (
+        graphed_shapes([[int(lengths[i]) for i in batches[b]] for b in mine], graph_min_batches)
+        if graph_min_batches
+        else set()
+    )
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc=f"build rank {dist.rank}", disable=not progress)
     start = time.perf_counter()
     pin = dist.device.type == "cuda"
