@@ -272,6 +272,27 @@ def graphed_and_eager(model, steps: int = 3):
     return graphed, [str(w.message) for w in caught]
 
 
+def test_cuda_graphed_collector_capture_after_waits_for_a_shapes_repeats():
+    """`capture_after=2`: a shape's first batch runs eagerly with no capture (a one-off shape pays none),
+    its second is captured, its third replayed; each gives the eager step's rows."""
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16).cuda()
+    report = ma.discover(model)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(3, model.config.vocab_size, (2, 16), generator=gen).cuda() for _ in range(3)]
+    once = torch.randint(3, model.config.vocab_size, (3, 8), generator=gen).cuda()
+    with ma.GradientCollector(model, report, projection_dim=8) as c:
+        eager = [c.collect(ids, None, ids, fused_experts=True) for ids in batches]
+        graphed = ma.GraphedCollector(c, capture_after=2)
+        graphed.collect(once)
+        counts = []
+        for ids, want in zip(batches, eager, strict=True):
+            have = graphed.collect(ids)
+            counts.append((graphed.captured, graphed.replayed))
+            assert torch.equal(have.expert_counts, want.expert_counts)
+            assert max(rel_err(have[k], want[k]) for k in want if want[k].norm() > 0) < 1e-5
+    assert counts == [(0, 0), (1, 0), (1, 1)] and graphed.unsupported is None
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
 def test_cuda_graphed_collection_is_the_eager_step(family):
     """A replayed graph gives the eager step's gradients, losses and expert counts on new batches of its
