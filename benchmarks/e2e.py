@@ -13,6 +13,8 @@ and reported as a ratio of medians:
 `--collect_graph` also times `GraphedCollector` (the step replayed from a CUDA graph, with its copies
 in and out) in the same rounds, and its largest difference to an eager step; `--collect_rows` keeps
 only the named rows.
+`--build_graphs` also times `build_index(cuda_graphs=True)` in the build rounds (its rows against the
+eager build's, beside two eager builds' own difference); `--build_tokens` sets the build's token batch.
 
     python benchmarks/e2e.py --out benchmarks/results/e2e-h200.json [--parts collect phases build memory48]
 
@@ -329,6 +331,11 @@ def build_once(
     return time.perf_counter() - start
 
 
+def index_rows(path: Path) -> torch.Tensor:
+    """An index's rows as a float32 tensor (to compare two builds)."""
+    return torch.tensor(np.array(ma.load_index(path).gradients, dtype=np.float32))
+
+
 def build_part(
     layers: int,
     examples: int,
@@ -366,7 +373,7 @@ def build_part(
     for _ in range(rounds):
         build_s.append(build_once(model, exs, path, p, "sum", token_batch))
         if first_rows is None:
-            first_rows = torch.tensor(np.array(ma.load_index(path).gradients, dtype=np.float32))
+            first_rows = index_rows(path)
         plain_s.append(plain_pass())
         if recompute:
             recompute_s.append(build_once(model, exs, path, p, "sum", token_batch, recompute=True))
@@ -389,18 +396,13 @@ def build_part(
     if recompute:
         row["recompute_s"] = recompute_s
         row["recompute_ratio_of_plain_tok_s"] = statistics.median(plain_s) / statistics.median(recompute_s)
-    eager_rows = torch.tensor(np.array(index.gradients, dtype=np.float32))
-    row["eager_repeat_max_rel_diff"] = float(
-        (first_rows - eager_rows).abs().max() / eager_rows.abs().max().clamp_min(1e-30)
-    )
+    eager_rows = index_rows(path)
+    row["eager_repeat_max_rel_diff"] = rel(first_rows, eager_rows)
     if graphs:
-        graph_rows = torch.tensor(np.array(ma.load_index(graph_path).gradients, dtype=np.float32))
         row["graphs_s"] = graph_s
         row["graphs_tok_s"] = tokens / statistics.median(graph_s[1:] or graph_s)
         row["graphs_ratio_of_plain_tok_s"] = row["graphs_tok_s"] / row["plain_tok_s"]
-        row["graphs_max_rel_diff_to_eager"] = float(
-            (graph_rows - eager_rows).abs().max() / eager_rows.abs().max().clamp_min(1e-30)
-        )
+        row["graphs_max_rel_diff_to_eager"] = rel(index_rows(graph_path), eager_rows)
         shutil.rmtree(graph_path, ignore_errors=True)
     print(json.dumps(row), flush=True)
     if profile:
