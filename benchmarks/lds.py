@@ -475,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--projections", default="8,16,32,64")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/lds-<config>.json")
     parser.add_argument("--markdown", default=None, help="print a result file as a Markdown table and exit")
+    parser.add_argument("--train_only", action="store_true", help="train and cache the models, then exit")
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))
@@ -506,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         torch.save(opt.state_dict(), model_dir / "optimizer.pt")
+    if args.train_only:
+        print(f"lds: cached {cache}")
+        return 0
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(args.device).eval()
