@@ -3,12 +3,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test demo lint
+.PHONY: setup test demo lint check-latest
 
-$(BIN)/moe-attrib: pyproject.toml
+# Tested versions from constraints.txt (pyproject.toml keeps ranges for users); `make check-latest` tries the newest.
+$(BIN)/moe-attrib: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q "torch>=2.10,<3"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt torch
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 setup: $(BIN)/moe-attrib
@@ -19,6 +20,9 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+check-latest:
+	bash .ci/check-latest
 
 demo: setup
 	$(BIN)/moe-attrib demo --out moe-attrib-demo --overwrite

@@ -25,6 +25,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def assert_top_rows(rows, brute, rtol: float = 1e-5) -> None:
+    """`rows` `[Q, k]` are a top-k of the brute-force scores `brute` `[Q, N]` (float64): each query's rows are
+    distinct and their brute-force scores equal the k largest, in order, to `rtol` of the largest magnitude.
+    Comparing the indexes themselves would fail on a near-tie that float32 rounding may order either way."""
+    import numpy as np
+
+    rows, brute = np.asarray(rows), np.asarray(brute, dtype=np.float64)
+    k = rows.shape[1]
+    want = -np.sort(-brute, axis=1)[:, :k]
+    got = np.take_along_axis(brute, rows, 1)
+    assert all(len(set(r)) == k for r in rows.tolist()), rows
+    assert np.allclose(got, want, rtol=0, atol=rtol * np.abs(brute).max()), (got, want)
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now: torchrun tests must not meet another run's rendezvous."""
     with socket.socket() as sock:

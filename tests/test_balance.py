@@ -12,6 +12,7 @@ from moe_attrib.coupling import sample_rows
 from moe_attrib.index import load_index
 from moe_attrib.precondition import precondition_queries
 from moe_attrib.score import ScoreError, hit_parts, query_gradients, score, score_matrix
+from tests.conftest import assert_top_rows
 from tests.test_build import CORPUS, ENV, model_dir  # noqa: F401  (fixture)
 from tests.test_coupling import score_on_and_off
 from tests.test_score import built  # noqa: F401  (fixture)
@@ -58,7 +59,7 @@ def test_balanced_scores_equal_the_definition(synthetic, unit_normalize, sample,
     plain = score_matrix(index, q, unit_normalize=unit_normalize, coupling=None, balance=None, device="cpu")
     assert np.abs(plain - expected).max() > 1e-3  # the balance changes the scores
     top = score(index, q, top_k=5, per_module=True, block_rows=7, **opts)
-    assert np.array_equal(top.rows, np.argsort(-expected, axis=1)[:, :5])
+    assert_top_rows(top.rows, expected)
     assert np.allclose(top.parts.sum(-1), top.values, rtol=1e-5, atol=1e-6)
     assert np.allclose(hit_parts(index, q, top.rows, **opts), top.parts, rtol=1e-5, atol=1e-7)
     if sample >= 53:  # "auto" fits the same balance

@@ -139,7 +139,7 @@ def test_kill_and_resume_gives_identical_index(model_dir, tmp_path):
     mismatch = build(*args[:-2], "--token_batch_size", 32, "--index", index, "--resume", check=False)
     assert mismatch.returncode != 0 and "token_batch_size" in mismatch.stderr
     build(*args, "--index", index, "--resume")
-    a, b = load_index(ref), load_index(index)
+    a, b = load_index(ref), load_index(index)  # the same model file and batches: resume is byte-identical
     assert np.array_equal(a.gradients, b.gradients) and np.array_equal(a.losses, b.losses)
     assert np.array_equal(a.expert_counts, b.expert_counts)
 
@@ -150,7 +150,7 @@ def test_torchrun_two_processes_equal_one(model_dir, tmp_path):
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     args = [str(model_dir), str(CORPUS), "--track_moe_experts", "--projection_dim", "8", "--token_batch_size", "64"]
     one = tmp_path / "one"
-    # torchrun runs each rank with OMP_NUM_THREADS=1; same threads give bitwise-equal CPU results
+    # torchrun runs each rank with OMP_NUM_THREADS=1; the single-process reference uses the same thread count
     build(*args, "--index", one, env={**ENV, "OMP_NUM_THREADS": "1"})
     two = tmp_path / "two"
     res = run_torchrun(
@@ -177,7 +177,10 @@ def test_torchrun_two_processes_equal_one(model_dir, tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = load_index(one), load_index(two)
-    assert np.array_equal(a.gradients, b.gradients) and np.array_equal(a.expert_counts, b.expert_counts)
+    # separate processes: CPU kernels may round differently on operands laid out at other addresses, so
+    # rows are compared to float32 rounding (a row in the wrong place or from the wrong example is off by O(1))
+    assert np.array_equal(a.expert_counts, b.expert_counts)
+    assert np.allclose(a.gradients, b.gradients, rtol=1e-5, atol=1e-6 * np.abs(a.gradients).max())
 
 
 def test_bad_inputs_are_clear_errors(model_dir, tmp_path):

@@ -20,4 +20,11 @@ def test_every_family_saves_and_loads_back_the_same_model(family, tmp_path):
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in built.state_dict().items())
     ids = torch.randint(3, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(built(input_ids=ids).logits, loaded(input_ids=ids).logits)
+        want = built(input_ids=ids).logits
+        # `from_pretrained` maps safetensors storage whose tensors need not start on a 64-byte boundary,
+        # and the CPU grouped-matmul kernel rounds differently on such operands (3e-8 seen on granitemoe):
+        # float32 rounding of equal weights, far inside 1e-5 of logits of order 0.1-1
+        assert torch.allclose(loaded(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+        for p in loaded.parameters():  # the same bytes in fresh (64-byte aligned) memory: the same kernels
+            p.data = p.data.clone()
+        assert torch.equal(loaded(input_ids=ids).logits, want)
