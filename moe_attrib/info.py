@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moe_attrib.errors import MoeAttribError
 
-class InfoError(ValueError):
+
+class InfoError(MoeAttribError, ValueError):
     """A directory that is neither an index nor EK-FAC factors (nor an interrupted build of one)."""
 
 
