@@ -389,7 +389,6 @@ def cmd_score(args: argparse.Namespace) -> int:
     try:
         check_model_spec(args.model)
         check_device(args.device)
-        results_format(args.out)
         if (args.damping is not None or args.damping_scope is not None) and not args.ekfac:
             raise UsageError("--damping / --damping_scope re-damp EK-FAC factors; give --ekfac DIR (without it "
                              "nothing is preconditioned and they would change nothing).")  # fmt: skip
@@ -399,6 +398,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         index = load_index(args.index)
         settings = index.manifest["settings"]
         check_score_outputs(args, settings)
+        results_format(args.out)
         ekfac_dirs = args.ekfac or []
         check_ekfac_dirs(ekfac_dirs, settings, args.index)
         tokenizer = load_tokenizer(args.model, args.tokenizer or settings.get("tokenizer"))
@@ -482,7 +482,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 def index_inputs(path: str, settings: dict) -> dict[str, str | None]:
     """The files an index records (and the index itself): no command's output may replace them."""
     recorded = {
-        f"the index {path}": path,
+        "the index": path,
         "the training data the index records": settings.get("data"),
         "the tokenizer the index records": settings.get("tokenizer"),
         "the optimizer state the index records": settings.get("optimizer_state"),
@@ -935,7 +935,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--projection_dim", type=positive_int, default=32)
     demo.add_argument("--overwrite", action="store_true", help="replace the demo's own files in a non-empty --out")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--quiet", action="store_true")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=cmd_demo)
     return parser
 

@@ -114,7 +114,11 @@ def temporary(path: str | Path) -> Iterator[Path]:
 def replacing(path: str | Path, mode: str = "w", **kwargs) -> Iterator[IO]:
     """`open(path, mode)` for writing, through a temporary file renamed into place when complete."""
     with temporary(path) as tmp:
-        with open(tmp, mode, **kwargs) as f:
+        try:
+            f = open(tmp, mode, **kwargs)  # noqa: SIM115 (closed below, errors name the target)
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        with f:
             yield f
             f.flush()
             os.fsync(f.fileno())

@@ -204,25 +204,32 @@ def _routing_section(record: dict, hits: list[dict], index: Index, plots: bool) 
     if not plots:
         cols = [f"{short_name(layer)}.e{i}" for layer in layers for i in range(num_e)]
         return note + caption + _table(flat, labels, cols, False)
+    return note + _png(routing_figure(flat, labels, [short_name(n) for n in layers], num_e))
+
+
+def routing_figure(shares: np.ndarray, rows: list[str], layers: list[str], num_experts: int):
+    """The routing map: `shares` `[rows, layers * num_experts]`, one row per query / hit (`rows`), the
+    experts of each layer side by side; the bottom axis numbers the experts (every one up to 64
+    columns in all, else every k-th: some 64 numbers, at least one per layer), the top axis names the layers."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 0.3 * len(rows) + 1.4), layout="constrained")
+    fig = Figure(figsize=(10, 0.3 * len(rows) + 1.6), layout="constrained")
     ax = fig.subplots()
-    im = ax.imshow(flat, cmap="Greens", vmin=0, aspect="auto", interpolation="nearest")
-    ax.set_yticks(range(len(labels)), labels)
-    step = max(1, -(-num_e * len(layers) // 64))  # at most ~64 expert labels along the axis
-    experts = [i for i in range(num_e) if i % step == 0]
-    ax.set_xticks([g * num_e + i for g in range(len(layers)) for i in experts],
+    im = ax.imshow(shares, cmap="Greens", vmin=0, aspect="auto", interpolation="nearest")
+    ax.set_yticks(range(len(rows)), rows)
+    step = max(1, -(-num_experts * len(layers) // 64))
+    experts = [i for i in range(num_experts) if i % step == 0]
+    ax.set_xticks([g * num_experts + i for g in range(len(layers)) for i in experts],
                   [str(i) for _ in layers for i in experts], fontsize=7)  # fmt: skip
     ax.set_xlabel("expert (within each layer)", fontsize=8)
     top = ax.secondary_xaxis("top")
-    top.set_xticks([g * num_e + (num_e - 1) / 2 for g in range(len(layers))], [short_name(n) for n in layers])
+    top.set_xticks([g * num_experts + (num_experts - 1) / 2 for g in range(len(layers))], layers)
     top.tick_params(length=0, labelsize=8)
     for i in range(1, len(layers)):
-        ax.axvline(i * num_e - 0.5, color="#333", lw=0.8)
+        ax.axvline(i * num_experts - 0.5, color="#333", lw=0.8)
     ax.set_title("routing: share of each layer's tokens per expert", fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.03)
-    return note + _png(fig)
+    return fig
 
 
 def _token_spans(hit: dict, marked: set[int]) -> str:
