@@ -433,7 +433,7 @@ def cmd_score(args: argparse.Namespace) -> int:
             dist, model = None, load_model(args.model, dtype)
         check_model(settings, model, what=f"index {args.index}")
         check_token_ids(queries, model.get_input_embeddings().num_embeddings, args.queries)
-        check_context(queries, context_length(model), args.queries, truncate=False)
+        check_context(queries, context_length(model), args.queries, truncate=False, can_truncate=False)
         if dist is None:
             model = model.to(device)
         ekfac = load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]) if ekfac_dirs else None

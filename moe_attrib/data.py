@@ -278,10 +278,13 @@ def context_length(model) -> int | None:
     return None
 
 
-def check_context(examples: list[Example], context: int | None, source: str, truncate: bool) -> None:
+def check_context(
+    examples: list[Example], context: int | None, source: str, truncate: bool, can_truncate: bool = True
+) -> None:
     """Every row fits the model's `context` (positions): a `DataError` naming the first that does not,
     or with `truncate` each longer row cut at `context` tokens (in place). A prompt/completion row
-    whose completion would be cut away entirely is an error either way."""
+    whose completion would be cut away entirely is an error either way. `can_truncate`: whether the
+    command has `--truncate` (the message offers it)."""
     if context is None:
         return
     for ex in examples:
@@ -290,8 +293,8 @@ def check_context(examples: list[Example], context: int | None, source: str, tru
         if not truncate:
             raise DataError(
                 f"{source}: row {ex.index} has {len(ex.input_ids)} tokens, more than the model's context "
-                f"({context} positions, max_position_embeddings); shorten the row, or pass --truncate to cut rows "
-                f"at {context} tokens."
+                f"({context} positions, max_position_embeddings); shorten the row"
+                + (f", or pass --truncate to cut rows at {context} tokens." if can_truncate else ".")
             )
         if ex.loss_start >= context:
             raise DataError(

@@ -164,7 +164,7 @@ def test_rows_over_the_context_and_empty_completions(env, tmp_path):
     queries.write_text(json.dumps({"text": long}) + "\n")
     res = fails(inproc("score", "--index", env / "idx", env / "model", queries, "--out", tmp_path / "s2.jsonl"),
                 f"{queries}: row 0 has", "model's context")  # fmt: skip
-    assert "--token_batch_size" not in res.stderr
+    assert "--token_batch_size" not in res.stderr and "--truncate" not in res.stderr  # score has neither
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"prompt": "the cat", "completion": "sat"}) + "\n"
@@ -236,10 +236,9 @@ def test_show_and_report_on_files_that_are_not_results(env, tmp_path):
 
 
 def test_report_into_a_directory_or_an_unwritable_place(env, tmp_path, monkeypatch):
-    import moe_attrib.outputs as outputs
-
     report = ["report", "--index", env / "idx", env / "s.jsonl", "--out"]
     one_line(fails(inproc(*report, tmp_path), "is a directory; give a file name"))
+    outputs = importlib.import_module("moe_attrib.outputs")
 
     def read_only(path, *args, **kwargs):  # a read-only filesystem
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
