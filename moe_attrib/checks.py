@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 
 from moe_attrib.data import looks_like_hub_id
+from moe_attrib.errors import MoeAttribError
 
 
-class UsageError(ValueError):
+class UsageError(MoeAttribError, ValueError):
     """A command line that cannot work as given; found before any directory is created or compute starts."""
 
 
@@ -24,6 +25,30 @@ def positive_int(text: str) -> int:
         value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+MAX_PROJECTION_DIM = 4096  # a p x p block per weight: 16M values at this p
+
+
+def projection_size(text: str) -> int:
+    """`--projection_dim`: a positive integer up to `MAX_PROJECTION_DIM`."""
+    value = positive_int(text)
+    if value > MAX_PROJECTION_DIM:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_PROJECTION_DIM} (each weight becomes a p x p block), got {text!r}; "
+            "for exact, unprojected rows pass --no_projection instead"
+        )
     return value
 
 
@@ -107,21 +132,14 @@ def check_parent_writable(path: Path, flag: str) -> None:
         raise UsageError(f"{flag} {path}: cannot create it ({parent} is not a writable directory).")
 
 
-def check_out_file(path: str, flag: str = "--out") -> None:
-    out = Path(path)
-    if out.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory; give a file name.")
-    if out.exists() and not os.access(out, os.W_OK):
-        raise UsageError(f"{flag} {path}: the file is not writable.")
-    if not out.parent.resolve().is_dir():
-        raise UsageError(f"{flag} {path}: no such directory {out.parent}.")
-    check_parent_writable(out, flag)
-
-
 def check_collection_args(args: argparse.Namespace) -> None:
     """Everything about a `build`/`ekfac` command line that can be checked before loading anything."""
     check_model_spec(args.model)
     check_device(args.device)
+    if args.no_projection and args.projection_dim is not None:
+        raise UsageError(
+            f"--projection_dim {args.projection_dim} and --no_projection contradict each other; pass one of them."
+        )
     if getattr(args, "optimizer_state", None):
         if not Path(args.optimizer_state).exists():
             raise UsageError(f"--optimizer_state {args.optimizer_state}: no such file or directory.")

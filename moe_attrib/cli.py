@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import sys
@@ -19,11 +20,12 @@ from moe_attrib.checks import (
     check_ekfac_dirs,
     check_model_spec,
     check_out_dir,
-    check_out_file,
     check_parent_writable,
     nonnegative_float,
+    nonnegative_int,
     positive_float,
     positive_int,
+    projection_size,
 )
 from moe_attrib.distributed import teardown
 from moe_attrib.graphs import AUTO_MIN_BATCHES
@@ -77,8 +79,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def load_inputs(args: argparse.Namespace, dist):
-    """Tokenizer, examples and model (on the rank's device) for `build` and `ekfac`."""
-    from moe_attrib.data import check_token_ids, load_examples
+    """Tokenizer, examples and model (on the rank's device) for `build` and `ekfac`. Rows longer than
+    the model's context are an error naming the row, or with `--truncate` cut there (`--max_length`
+    then records the cut, so that `score` reads the same rows again)."""
+    from moe_attrib.data import check_context, check_token_ids, context_length, load_examples
 
     tokenizer = load_tokenizer(args.model, args.tokenizer)
     examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate, args.split)
@@ -90,6 +94,10 @@ def load_inputs(args: argparse.Namespace, dist):
     else:
         model = load_model(args.model, dtype).to(dist.device)
     check_token_ids(examples, model.get_input_embeddings().num_embeddings, args.data)
+    context = context_length(model)
+    check_context(examples, context, args.data, args.truncate)
+    if args.truncate and context is not None and (args.max_length is None or args.max_length > context):
+        args.max_length = context
     return tokenizer, examples, model, getattr(tokenizer, "pad_token_id", None) or 0
 
 
@@ -164,6 +172,10 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     try:
         check_collection_args(args)
+        if args.projection_dim is None:
+            from moe_attrib.index import DEFAULT_PROJECTION_DIM
+
+            args.projection_dim = DEFAULT_PROJECTION_DIM
         if not args.resume:
             check_index_target(args.index, args.overwrite)
         check_parent_writable(Path(args.index), "--index")
@@ -214,7 +226,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"moe-attrib build: error: {err}", file=sys.stderr)
         return 2
     if dist.is_main:
-        print(f"index written to {path} ({len(examples)} rows)")
+        manifest = json.loads((Path(path) / "manifest.json").read_text())
+        print(f"index written to {path} ({manifest['rows']:,} rows for {manifest['examples']:,} examples)")
     return 0
 
 
@@ -242,6 +255,22 @@ def index_projection(args: argparse.Namespace):
             f"--projection_dim {args.projection_dim} --seed {args.seed} differ from the index {args.index} "
             f"(projection_dim {st['projection_dim']}, seed {st['seed']}); leave them out to use the index's."
         )
+    if args.track_moe_experts != bool(st.get("track_moe_experts")):
+        if args.track_moe_experts:
+            raise UsageError(
+                f"--track_moe_experts: the index {args.index} was built without it, so its rows have no expert "
+                "blocks; leave it out (or rebuild the index with it)."
+            )
+        args.track_moe_experts = True
+        print(f"NOTE: the index {args.index} tracks the experts; fitting their factors too (--track_moe_experts).",
+              file=sys.stderr)  # fmt: skip
+    if args.filter_modules != st.get("filter_modules"):
+        if args.filter_modules is not None:
+            raise UsageError(
+                f"--filter_modules {args.filter_modules!r} differs from the index {args.index}'s "
+                f"({st.get('filter_modules')!r}); leave it out to use the index's."
+            )
+        args.filter_modules = st.get("filter_modules")
     return index
 
 
@@ -348,33 +377,38 @@ def cmd_score(args: argparse.Namespace) -> int:
     from moe_attrib.balance import resolve_balance
     from moe_attrib.coupling import check_memory as check_coupling_memory
     from moe_attrib.coupling import fit_coupling
-    from moe_attrib.data import DataError, check_token_ids, fingerprint, load_examples
+    from moe_attrib.data import DataError, check_context, check_token_ids, context_length, fingerprint, load_examples
     from moe_attrib.ekfac import load_ekfac
-    from moe_attrib.ensemble import load_matrices, matrix_info, write_info
+    from moe_attrib.ensemble import info_path, load_matrices, matrix_info
     from moe_attrib.fingerprint import FingerprintError, check_model
     from moe_attrib.index import IndexFileError, load_index
+    from moe_attrib.outputs import scratch, write_text
     from moe_attrib.results import results_format, write_results
     from moe_attrib.score import ScoreError, query_gradients, score
 
     try:
         check_model_spec(args.model)
         check_device(args.device)
-        check_out_file(args.out)
-        results_format(args.out)
-        for flag, path in (("--all_scores", args.all_scores), ("--report", args.report)):
-            if path:
-                check_out_file(path, flag)
+        if (args.damping is not None or args.damping_scope is not None) and not args.ekfac:
+            raise UsageError("--damping / --damping_scope re-damp EK-FAC factors; give --ekfac DIR (without it "
+                             "nothing is preconditioned and they would change nothing).")  # fmt: skip
         for path in args.average_with or []:
             if args.all_scores and Path(path).resolve() == Path(args.all_scores).resolve():
                 raise UsageError(f"--all_scores {args.all_scores} is also given to --average_with.")
         index = load_index(args.index)
         settings = index.manifest["settings"]
+        check_score_outputs(args, settings)
+        results_format(args.out)
         ekfac_dirs = args.ekfac or []
         check_ekfac_dirs(ekfac_dirs, settings, args.index)
         tokenizer = load_tokenizer(args.model, args.tokenizer or settings.get("tokenizer"))
         check_model(settings, None, tokenizer, what=f"index {args.index}")
         train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
         queries = load_examples(args.queries, tokenizer, args.text_field, settings.get("max_length"), True)
+        if args.id_field:  # before any work: every query and training row must carry it
+            check_id_field(queries, args.id_field, args.queries)
+            if train is not None:
+                check_id_field(train, args.id_field, settings["data"])
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # --fsdp: its rank's
         coupled = coupling_args(args)
         if coupled:  # before the model is loaded
@@ -399,11 +433,15 @@ def cmd_score(args: argparse.Namespace) -> int:
             dist, model = None, load_model(args.model, dtype)
         check_model(settings, model, what=f"index {args.index}")
         check_token_ids(queries, model.get_input_embeddings().num_embeddings, args.queries)
+        check_context(queries, context_length(model), args.queries, truncate=False, can_truncate=False)
         if dist is None:
             model = model.to(device)
         ekfac = load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]) if ekfac_dirs else None
         pad = getattr(tokenizer, "pad_token_id", None) or 0
-        q, query_counts = query_gradients(model, queries, index, pad_id=pad, with_counts=True)
+        longest = max(len(ex.input_ids) for ex in queries)
+        q, query_counts = query_gradients(
+            model, queries, index, pad_id=pad, with_counts=True, token_batch_size=max(8192, longest)
+        )
         if dist is not None and not dist.is_main:
             return 0
         if ekfac is not None and (args.damping is not None or args.damping_scope is not None):
@@ -419,23 +457,20 @@ def cmd_score(args: argparse.Namespace) -> int:
         if opts["balance"] is not None:
             print(f"output-layer balance: lm_head's vote counted as much as the whole model's, spreads from "
                   f"{opts['balance'].settings['sample']} index rows (--no-output_balance turns it off)")  # fmt: skip
-        if others or args.all_scores:  # one pass over the index: the top-k is read back from the matrix
-            result = matrix_scores(args, index, q, others, opts)
-        else:
-            result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
-        if args.all_scores:
-            write_info(args.all_scores, own)
+        with scratch(args.all_scores) as matrix:  # --all_scores's temporary name, renamed into place below
+            if others or args.all_scores:  # one pass over the index: the top-k is read back from the matrix
+                result = matrix_scores(args, index, q, others, opts, matrix)
+            else:
+                result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
+            records = result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, opts, result)
+            if args.all_scores:  # no moment where the old description sits beside the new matrix
+                info_path(args.all_scores).unlink(missing_ok=True)
+                os.replace(matrix, args.all_scores)
+                write_text(info_path(args.all_scores), json.dumps(own, indent=2))
     except (DataError, IndexFileError, ScoreError, FingerprintError, UsageError, FileNotFoundError, ValueError) as err:
         print(f"moe-attrib score: error: {err}", file=sys.stderr)
         return 2
-    from moe_attrib.results import ResultsError
-
-    try:
-        records = result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, opts, result)
-        write_results(records, args.out)
-    except ResultsError as err:
-        print(f"moe-attrib score: error: {err}", file=sys.stderr)
-        return 2
+    write_results(records, args.out)
     print(f"scores for {len(queries)} queries written to {args.out}")
     if args.report:
         from moe_attrib.report import write_report
@@ -444,18 +479,67 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
-def matrix_scores(args: argparse.Namespace, index, q, others: list, opts: dict):
+def index_inputs(path: str, settings: dict) -> dict[str, str | None]:
+    """The files an index records (and the index itself): no command's output may replace them."""
+    recorded = {
+        "the index": path,
+        "the training data the index records": settings.get("data"),
+        "the tokenizer the index records": settings.get("tokenizer"),
+        "the optimizer state the index records": settings.get("optimizer_state"),
+        "the model the index records": settings.get("model"),
+    }
+    return {what: p for what, p in recorded.items() if p and Path(p).exists()}
+
+
+def check_score_outputs(args: argparse.Namespace, settings: dict) -> None:
+    """`score`'s output files: new (or `--overwrite`), distinct, and none of the run's inputs."""
+    from moe_attrib.ensemble import info_path
+    from moe_attrib.outputs import check_output
+
+    inputs = {"the queries": args.queries, **index_inputs(args.index, settings)}
+    if Path(args.model).exists():
+        inputs["the model"] = args.model
+    if args.tokenizer:
+        inputs["the tokenizer"] = args.tokenizer
+    for d in args.ekfac or []:
+        inputs[f"the EK-FAC factors {d}"] = d
+    for m in args.average_with or []:
+        inputs[f"the --average_with matrix {m}"] = m
+        inputs[f"the --average_with description {info_path(m)}"] = info_path(m)
+    outs = {"--out": args.out, "--report": args.report, "--all_scores": args.all_scores}
+    if args.all_scores:
+        outs["--all_scores's description"] = info_path(args.all_scores)
+    for flag, path in outs.items():
+        if path is not None:
+            others = {k: v for k, v in outs.items() if k != flag}
+            check_output(path, flag, overwrite=args.overwrite, inputs=inputs, outputs=others)
+
+
+def check_id_field(examples: list, id_field: str, source: str) -> None:
+    """`--id_field` names a scalar field of every row of `source` (checked before any compute)."""
+    from moe_attrib.results import ResultsError
+
+    for ex in examples:
+        if id_field not in ex.fields:
+            raise ResultsError(
+                f"{source}: row {ex.index} has no scalar field {id_field!r} to use as --id_field "
+                f"(its fields: {sorted(ex.fields) or 'none besides the text'})."
+            )
+
+
+def matrix_scores(args: argparse.Namespace, index, q, others: list, opts: dict, matrix: Path):
     """`score --all_scores` / `--average_with`: the top-k of this run's score matrix (written to
-    `--all_scores`, else a temporary file), or of its mean with `others` (other checkpoints',
-    checked by `load_matrices`), in one pass over the index; per-module parts, if asked, are this
-    checkpoint's part of each hit."""
+    `matrix`, `--all_scores`'s temporary name, else a temporary file), or of its mean with `others`
+    (other checkpoints', checked by `load_matrices`), in one pass over the index; per-module parts, if
+    asked, are this checkpoint's part of each hit."""
     import tempfile
 
     from moe_attrib.ensemble import mean_top_k
     from moe_attrib.score import Scores, hit_parts, score_matrix
 
     with tempfile.TemporaryDirectory(prefix="moe-attrib-scores-") as tmp:
-        mine = score_matrix(index, q, out=args.all_scores or Path(tmp) / "scores.npy", progress=True, **opts)
+        out = matrix if args.all_scores else Path(tmp) / "scores.npy"
+        mine = score_matrix(index, q, out=out, progress=True, **opts)
         values, rows = mean_top_k([mine, *others], args.top_k)
         del mine
     parts = hit_parts(index, q, rows, **opts) if args.per_module else None
@@ -512,19 +596,33 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from moe_attrib.index import IndexFileError, load_index
+    from moe_attrib.outputs import check_output
     from moe_attrib.report import write_report
-    from moe_attrib.results import ResultsError, read_results
+    from moe_attrib.results import ResultsError, index_fingerprint, read_results
 
     try:
-        records = read_results(args.scores)
         index = load_index(args.index)
+        inputs = {"the scores file being read": args.scores, **index_inputs(args.index, index.manifest["settings"])}
+        check_output(args.out, "--out", overwrite=args.overwrite, inputs=inputs)
+        records = read_results(args.scores)
+        own = index_fingerprint(index)
+        carried = sorted({r["index_fingerprint"] for r in records if "index_fingerprint" in r})
+        if carried and carried != [own]:
+            raise ResultsError(
+                f"{args.scores}: computed against another index than {args.index} (index fingerprint "
+                f"{', '.join(carried)} vs {own}: another model, training data or build settings), so its routing "
+                "and summary would be another model's; give the --index these scores were computed against."
+            )
+        if not carried and records:
+            print(f"NOTE: {args.scores} carries no index fingerprint (written by an older moe-attrib); only its "
+                  "example numbers are checked against the index.", file=sys.stderr)  # fmt: skip
         unknown = sorted({h["example"] for r in records for h in r["results"]} - set(index.manifest["example_ids"]))
         if unknown:
             raise ResultsError(
                 f"{args.scores}: examples {unknown[:5]} are not in the index {args.index}; "
                 "give the index these scores were computed against."
             )
-    except (ResultsError, IndexFileError) as err:
+    except (ResultsError, IndexFileError, UsageError) as err:
         print(f"moe-attrib report: error: {err}", file=sys.stderr)
         return 2
     print(f"report written to {write_report(records, index, args.out, top=args.top)}")
@@ -563,11 +661,16 @@ def add_collection_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--track_moe_experts", action="store_true", help="attribute every expert of fused MoE layers")
     parser.add_argument("--filter_modules", default=None, help="glob over module names, e.g. '*.mlp.*'")
-    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    parser.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="dtype the model runs in (auto: bf16 on a CUDA device that has it, else fp32)",
+    )
     parser.add_argument("--token_batch_size", type=positive_int, default=8192, help="padded tokens per batch")
     parser.add_argument("--max_length", type=positive_int, default=None, help="longest example (see --truncate)")
     parser.add_argument("--truncate", action="store_true", help="cut examples longer than --max_length")
-    parser.add_argument("--text_field", default="text")
+    parser.add_argument("--text_field", default="text", help="field of each record that holds its text")
     parser.add_argument("--split", default=None, help="split of a datasets directory / hub dataset (default: train)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory, for a model directory without one")
     parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
@@ -581,24 +684,30 @@ def add_collection_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+OVERWRITE_HELP = "replace output files that exist (never an input of the run, nor a file the index records)"
 FSDP_HELP = "under torchrun: shard the model over the ranks with FSDP2 (models larger than one device)"
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`(default: X)` after every option's help, except unset (None) and off (False) defaults."""
+    """`(default: X)` after every option's help, except unset (None) and off (False) defaults and a
+    help text that already names its default."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or action.default is False:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
-    """Shows defaults in `--help` (also of options without help text); subcommands get the same class."""
+    """Shows defaults in `--help` (also of options without help text); subcommands get the same class.
+    An argument error is one line, `moe-attrib <command>: error: ...`, and exit status 2."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
     def add_argument(self, *args, **kwargs) -> argparse.Action:
         action = super().add_argument(*args, **kwargs)
@@ -616,8 +725,8 @@ def add_projection_args(parser: argparse.ArgumentParser, from_index: bool = Fals
 
     parser.add_argument(
         "--projection_dim",
-        type=positive_int,
-        default=None if from_index else DEFAULT_PROJECTION_DIM,
+        type=projection_size,
+        default=None,
         help=f"p: each weight block is p x p (default {DEFAULT_PROJECTION_DIM}"
         + (", or the index's)" if from_index else ")"),
     )
@@ -699,7 +808,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_collection_args(build)
     build.add_argument("--index", required=True, help="output directory (written as DIR.part, renamed when done)")
     add_projection_args(build)
-    build.add_argument("--expert_blocks", default="separate", choices=["separate", "sum"])
+    build.add_argument(
+        "--expert_blocks",
+        default="separate",
+        choices=["separate", "sum"],
+        help="separate: columns per expert (per-expert scores); sum: one block per layer, experts summed",
+    )
     build.add_argument("--attribute_tokens", action="store_true", help="one row per token instead of per example")
     build.add_argument(
         "--optimizer_state",
@@ -750,8 +864,8 @@ def build_parser() -> argparse.ArgumentParser:
     from moe_attrib.score import DEFAULT_UNIT_NORMALIZE
 
     sc = sub.add_parser("score", help="top training examples of an index for each query")
-    sc.add_argument("--index", required=True)
-    sc.add_argument("model")
+    sc.add_argument("--index", required=True, help="the index to rank (a `moe-attrib build --index` directory)")
+    sc.add_argument("model", help="the model the index was built from (its weights fingerprint is checked)")
     sc.add_argument("queries", help="JSONL / text file of queries (same formats as build's DATA)")
     sc.add_argument(
         "--ekfac", action="append", default=None, help="EK-FAC dir fitted for the index (repeat for partitions)"
@@ -780,29 +894,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank by the mean of this run's scores and these --all_scores matrices of other checkpoints "
         "(same data and queries): docs/scoring.md",
     )
-    sc.add_argument("--top_k", type=positive_int, default=10)
+    sc.add_argument("--top_k", type=positive_int, default=10, help="training rows kept per query")
     sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")
     sc.add_argument("--text_field", default="text", help="text field of the queries (the index records its own)")
     sc.add_argument("--tokenizer", default=None, help="default: the index's --tokenizer, else the model's")
     sc.add_argument("--no_texts", action="store_true", help="do not re-read the training data; hits have no text")
-    sc.add_argument("--device", default=None)
+    sc.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     sc.add_argument("--fsdp", action="store_true", help=FSDP_HELP + " (query gradients; rank 0 scores)")
     sc.add_argument("--out", required=True, help="results file: .jsonl, .csv or .tsv (by extension)")
     sc.add_argument("--id_field", default=None, help="carry only this field of the records as `id` (default: all)")
     sc.add_argument("--report", default=None, metavar="FILE", help="also write the HTML report to FILE")
+    sc.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     sc.set_defaults(func=cmd_score)
 
     show = sub.add_parser("show", help="terminal view of a results file: each query's top training examples")
     show.add_argument("scores", help="results of `moe-attrib score` (.jsonl, .csv or .tsv)")
-    show.add_argument("--top", type=int, default=5, help="training examples per query")
-    show.add_argument("--experts", type=int, default=3, help="largest per-expert parts per hit (with --per_module)")
+    show.add_argument("--top", type=positive_int, default=5, help="training examples per query")
+    show.add_argument(
+        "--experts", type=nonnegative_int, default=3, help="largest per-expert parts per hit (with --per_module)"
+    )
     show.set_defaults(func=cmd_show)
 
     rep = sub.add_parser("report", help="self-contained HTML report of a results file")
     rep.add_argument("--index", required=True, help="the index the scores were computed against")
     rep.add_argument("scores", help="results of `moe-attrib score` (.jsonl, .csv or .tsv)")
     rep.add_argument("--out", required=True, help="HTML file to write")
-    rep.add_argument("--top", type=int, default=None, help="training examples per query (default: all in the file)")
+    rep.add_argument(
+        "--top", type=positive_int, default=None, help="training examples per query (default: all in the file)"
+    )
+    rep.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     rep.set_defaults(func=cmd_report)
 
     info = sub.add_parser("info", help="summary of an index or EK-FAC directory")
@@ -815,17 +935,54 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--projection_dim", type=positive_int, default=32)
     demo.add_argument("--overwrite", action="store_true", help="replace the demo's own files in a non-empty --out")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--quiet", action="store_true")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(func=cmd_demo)
     return parser
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The errors a user can act on: `MoeAttribError` and the older classes of the modules that raise them."""
+    from moe_attrib.build import NonFiniteGradientError
+    from moe_attrib.ekfac import FactorMemoryError
+    from moe_attrib.ensemble import EnsembleError
+    from moe_attrib.errors import MoeAttribError
+    from moe_attrib.experts import LayoutError
+    from moe_attrib.fingerprint import FingerprintError
+    from moe_attrib.index import IndexDtypeError, IndexFileError
+    from moe_attrib.normalizers import OptimizerStateError
+    from moe_attrib.precondition import ScoreError
+
+    return (
+        MoeAttribError, EnsembleError, FactorMemoryError, FingerprintError, IndexDtypeError, IndexFileError,
+        LayoutError, NonFiniteGradientError, OptimizerStateError, ScoreError,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every failure a user can act on is one line on stderr and exit status 2;
+    Ctrl-C is one line and 130 (no output file is left half-written: `moe_attrib.outputs`); a closed
+    pipe (`show ... | head`) ends quietly. MOE_ATTRIB_TRACEBACK=1 shows the tracebacks instead."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
+    name = f"moe-attrib {args.command}"
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        if os.environ.get("MOE_ATTRIB_TRACEBACK"):
+            raise
+        print(f"\n{name}: interrupted; files it writes are left as they were.", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`show ... | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except (*user_errors(), OSError) as err:
+        if os.environ.get("MOE_ATTRIB_TRACEBACK"):
+            raise
+        text = str(err) if not isinstance(err, OSError) or err.filename is None else f"{err.filename}: {err.strerror}"
+        print(f"{name}: error: {text}", file=sys.stderr)
+        return getattr(err, "exit_code", 2)
     finally:
         teardown()
 

@@ -257,6 +257,7 @@ class GradientCollector:
         self.capture: Capture | None = None
         self._stack: contextlib.ExitStack | None = None
         self._proj: Projections | None = None
+        self._idle: contextlib.AbstractContextManager | None = None
 
     @property
     def fallbacks(self) -> dict[str, str]:
@@ -278,9 +279,14 @@ class GradientCollector:
                 stack.enter_context(norms.fused_norms(self.model))
             self.head = FusedHead(self.model, capture) if self.fused_head else None
             self._stack = stack.pop_all()
+        self._idle = capture.paused()  # a plain forward of the model between collects records nothing
+        self._idle.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._idle is not None:
+            self._idle.__exit__(None, None, None)
+            self._idle = None
         if self._stack is not None:
             self._stack.__exit__(*exc)
             self._stack = None
@@ -325,6 +331,7 @@ class GradientCollector:
         if labels is None:
             labels = default_labels(input_ids, attention_mask)
         head = self.head if self.head is not None and self.head.usable and not sample_labels else None
+        self._idle.__exit__(None, None, None)  # record this batch
         try:
             with torch.enable_grad():
                 fused, out = self._forward(head, batch, input_ids, attention_mask, labels)
@@ -350,6 +357,8 @@ class GradientCollector:
             counts = capture.counts
         finally:
             capture.reset()
+            self._idle = capture.paused()
+            self._idle.__enter__()
         if self.row_sink is not None:
             result = PerExampleGradients()
             result.losses, result.expert_counts, result.expert_layers = losses.detach(), None, []

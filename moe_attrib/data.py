@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 import re
@@ -13,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_attrib.errors import MoeAttribError
 
-class DataError(ValueError):
+
+class DataError(MoeAttribError, ValueError):
     """Input data that cannot be attributed as given; the message names the file/row at fault."""
 
 
@@ -70,8 +73,22 @@ def _pick_split(ds, source: str, split: str | None):
     return [dict(r) for r in ds]
 
 
+def read_text(path: Path, source: str) -> str:
+    """A file's text as UTF-8 (a leading byte-order mark is dropped); undecodable bytes are an error
+    naming the file, line and byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise DataError(
+            f"{source}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+            "re-encode the file as UTF-8, e.g. `iconv -f latin1 -t utf-8`."
+        ) from err
+
+
 def _read_json(path: Path, source: str) -> list:
-    text = path.read_text()
+    text = read_text(path, source)
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             records = json.loads(text)
@@ -91,10 +108,10 @@ def _read_json(path: Path, source: str) -> list:
 
 def _read_csv(path: Path, source: str) -> list[dict]:
     """Rows of a CSV/TSV file with a header line; every value is read as a string."""
+    text = read_text(path, source)
     try:
-        with path.open(newline="") as f:
-            return list(csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ","))
-    except (csv.Error, UnicodeDecodeError) as err:
+        return list(csv.DictReader(io.StringIO(text, newline=""), delimiter="\t" if path.suffix == ".tsv" else ","))
+    except csv.Error as err:
         raise DataError(f"{source}: cannot read as {path.suffix[1:].upper()} ({err}).") from err
 
 
@@ -117,6 +134,11 @@ def _read_records(source: str, text_field: str, split: str | None = None) -> lis
         datasets = _import_datasets(source, "a `datasets` directory")
         return _pick_split(datasets.load_from_disk(str(path)), source, split)
     if path.is_file():
+        if split is not None:
+            raise DataError(
+                f"{source}: --split {split} applies to a datasets directory or a hub dataset; a single file has no "
+                "splits, so leave --split out."
+            )
         if path.suffix in (".jsonl", ".json"):
             records = _read_json(path, source)
         elif path.suffix in (".csv", ".tsv"):
@@ -124,7 +146,7 @@ def _read_records(source: str, text_field: str, split: str | None = None) -> lis
         elif path.suffix == ".parquet":
             records = _read_parquet(path, source)
         else:
-            return [{text_field: line.rstrip("\n")} for line in path.open() if line.strip()]
+            return [{text_field: line} for line in read_text(path, source).splitlines() if line.strip()]
         for i, rec in enumerate(records):
             if not isinstance(rec, dict):
                 raise DataError(f"{source}: row {i} is a JSON {type(rec).__name__}, not an object with fields.")
@@ -211,6 +233,8 @@ def load_examples(
             if tokenizer is None:
                 raise DataError(f"{source}: row {i} has text but there is no tokenizer; {NO_TOKENIZER}")
             prompt, completion = _text(rec, "prompt", source, i), _text(rec, "completion", source, i)
+            if not completion.strip():
+                raise DataError(f"{source}: row {i} has an empty completion; nothing to attribute. Fill or drop it.")
             text = f"{prompt} {completion}"
             used |= {"prompt", "completion"}
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -234,9 +258,50 @@ def load_examples(
                     "raise --max_length or pass --truncate."
                 )
             ids = ids[:max_length]
+            if loss_start >= len(ids):
+                raise DataError(
+                    f"{source}: row {i}'s prompt fills --max_length {max_length}, so truncating leaves no completion "
+                    "to attribute; raise --max_length or shorten the prompt."
+                )
         fields = {k: v for k, v in rec.items() if k not in used and isinstance(v, SCALARS)}
         examples.append(Example(i, ids, text, loss_start, fields))
     return examples
+
+
+def context_length(model) -> int | None:
+    """The longest row the model was made for (`max_position_embeddings` of its config), None if unknown."""
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        value = getattr(cfg, "max_position_embeddings", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context(
+    examples: list[Example], context: int | None, source: str, truncate: bool, can_truncate: bool = True
+) -> None:
+    """Every row fits the model's `context` (positions): a `DataError` naming the first that does not,
+    or with `truncate` each longer row cut at `context` tokens (in place). A prompt/completion row
+    whose completion would be cut away entirely is an error either way. `can_truncate`: whether the
+    command has `--truncate` (the message offers it)."""
+    if context is None:
+        return
+    for ex in examples:
+        if len(ex.input_ids) <= context:
+            continue
+        if not truncate:
+            raise DataError(
+                f"{source}: row {ex.index} has {len(ex.input_ids)} tokens, more than the model's context "
+                f"({context} positions, max_position_embeddings); shorten the row"
+                + (f", or pass --truncate to cut rows at {context} tokens." if can_truncate else ".")
+            )
+        if ex.loss_start >= context:
+            raise DataError(
+                f"{source}: row {ex.index}'s prompt fills the model's context ({context} positions), so cutting "
+                "the row there leaves no completion to attribute; shorten the prompt."
+            )
+        ex.input_ids = ex.input_ids[:context]
 
 
 def fingerprint(examples: list[Example]) -> str:

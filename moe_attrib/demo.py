@@ -13,6 +13,7 @@ name has to be matched inside the model, where attention and the experts carry i
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -21,6 +22,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from moe_attrib.errors import MoeAttribError
+from moe_attrib.outputs import write_text
 from moe_attrib.synthetic import multi_domain_corpus
 
 MODULE_GROUPS = {
@@ -41,7 +44,7 @@ OUTPUTS = (
 )
 
 
-class DemoError(ValueError):
+class DemoError(MoeAttribError, ValueError):
     """The demo's output directory holds files the demo did not write."""
 
 
@@ -51,6 +54,9 @@ def check_out(out: Path, overwrite: bool) -> None:
 
     if out.exists() and not out.is_dir():
         raise DemoError(f"--out {out}: is a file, not a directory.")
+    parent = out if out.exists() else next(p for p in out.resolve().parents if p.exists())
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DemoError(f"--out {out}: cannot write in {parent} (read-only or no permission); choose another --out.")
     if not out.exists() or not any(out.iterdir()):
         return
     if not overwrite:
@@ -123,12 +129,12 @@ def run_demo(
 
     start = time.perf_counter()
     p = projection_dim or DEFAULT_PROJECTION_DIM
-    out = Path(out)
+    out = Path(out).resolve()  # the index records absolute paths: it scores from any directory
     check_out(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     train, queries = make_corpus(seed=seed)
     for name, rows in (("train.jsonl", train), ("queries.jsonl", queries)):
-        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_text(out / name, "".join(json.dumps(r) + "\n" for r in rows))
     tokenizer = train_tokenizer([f"{r['prompt']} {r['completion']}" for r in train + queries])
     model = tiny_model("qwen3_moe", seed=seed, vocab_size=len(tokenizer), num_hidden_layers=2)
     examples = load_examples(str(out / "train.jsonl"), tokenizer)
@@ -210,6 +216,6 @@ def run_demo(
     write_results(records, out / "scores.jsonl")
     print(f"\nreport: {write_report(records, index, out / 'report.html').resolve()} (open it in a browser)")
     results["seconds"] = time.perf_counter() - start
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_text(out / "results.json", json.dumps(results, indent=2))
     print(f"demo finished in {results['seconds']:.0f} s; files in {out}/ (model, index, scores.jsonl, report.html)")
     return results

@@ -11,8 +11,13 @@ build resumes from it and ends with the same bytes as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +39,9 @@ INDEX_FILES = (
     "expert_counts.npy",
     "token_offsets.npy",
     "done.npy",
+    "owner.json",
 )
+OWNER_FILE = "owner.json"  # in DIR.part: the build writing it (pid, host, start time)
 
 
 class IndexFileError(RuntimeError):
@@ -188,25 +195,58 @@ class IndexWriter:
 
     def _prepare(self, manifest, rows, dim, layers, experts, num_batches, resume, token_offsets) -> None:
         check_index_target(self.final, self.overwrite)
-        if self.dir.exists():
-            if not resume:
-                raise IndexFileError(
-                    f"{self.dir} holds an interrupted build; pass --resume to continue it or delete it to start over."
-                )
-            old = json.loads((self.dir / "manifest.json").read_text())
-            old["settings"].setdefault("index_dtype", DEFAULT_INDEX_DTYPE)  # a build from before the key
-            diff = sorted(
-                k
-                for k in set(old["settings"]) | set(manifest["settings"])
-                if old["settings"].get(k) != manifest["settings"].get(k)
+        try:
+            self.dir.mkdir(parents=True)
+            fresh = True
+        except FileExistsError:
+            fresh = False
+        with _owner_lock(self.dir):  # one build at a time decides who writes DIR.part
+            if fresh:
+                _claim(self.dir)
+            else:
+                self._resume(manifest, resume)
+                return
+        self._create(manifest, rows, dim, layers, experts, num_batches, token_offsets)
+
+    def _resume(self, manifest: dict, resume: bool) -> None:
+        """Continue the interrupted build in `DIR.part` (or refuse): never while its owner runs."""
+        owner = read_owner(self.dir)
+        if owner is not None and owner_alive(owner):
+            raise IndexFileError(
+                f"{self.dir} is being written by a running build ({describe_owner(owner)}); wait for it to finish "
+                f"or stop it. If it is no longer running, delete {self.dir / OWNER_FILE} and pass --resume."
             )
-            if diff:
-                details = "; ".join(
-                    f"{k}: index {old['settings'].get(k)!r} vs now {manifest['settings'].get(k)!r}" for k in diff
-                )
-                raise IndexFileError(f"cannot resume {self.dir}: settings differ ({details}).")
-            return
-        self.dir.mkdir(parents=True)
+        if not resume:
+            raise IndexFileError(
+                f"{self.dir} holds an interrupted build; pass --resume to continue it or delete it to start over."
+            )
+        if not (self.dir / "manifest.json").exists():
+            raise IndexFileError(
+                f"{self.dir} holds no manifest.json yet: another build is creating it right now, or one stopped "
+                "while creating it; if no build is running, delete it and build again."
+            )
+        old = json.loads((self.dir / "manifest.json").read_text())
+        old["settings"].setdefault("index_dtype", DEFAULT_INDEX_DTYPE)  # a build from before the key
+        diff = sorted(
+            k
+            for k in set(old["settings"]) | set(manifest["settings"])
+            if old["settings"].get(k) != manifest["settings"].get(k)
+        )
+        if diff:
+            details = "; ".join(
+                f"{k}: index {old['settings'].get(k)!r} vs now {manifest['settings'].get(k)!r}" for k in diff
+            )
+            raise IndexFileError(f"cannot resume {self.dir}: settings differ ({details}).")
+        if owner is not None:
+            warnings.warn(
+                f"moe-attrib: resuming {self.dir}: its previous build ({describe_owner(owner)}) is no longer "
+                "running; this build takes it over.",
+                UserWarning,
+                stacklevel=3,
+            )
+        _claim(self.dir)
+
+    def _create(self, manifest, rows, dim, layers, experts, num_batches, token_offsets) -> None:
         stored = INDEX_DTYPES[self.index_dtype]
         np.lib.format.open_memmap(self.dir / "gradients.npy", mode="w+", dtype=stored, shape=(rows, dim)).flush()
         examples = self.examples
@@ -286,6 +326,7 @@ class IndexWriter:
         manifest["complete"] = True
         _write_json(self.dir / "manifest.json", manifest)
         del self.gradients, self.losses, self.counts, self.done
+        (self.dir / OWNER_FILE).unlink(missing_ok=True)
         if self.final.exists():
             check_index_target(self.final, self.overwrite)
             for name in INDEX_FILES:
@@ -293,6 +334,75 @@ class IndexWriter:
             self.final.rmdir()
         os.replace(self.dir, self.final)
         return self.final
+
+
+@contextlib.contextmanager
+def _owner_lock(part: Path) -> Iterator[None]:
+    """An exclusive `flock` on the `DIR.part` directory while its owner is checked and claimed, so two
+    builds starting together cannot both take it (where flock is unavailable: no lock)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    fd = os.open(part, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _claim(part: Path) -> None:
+    """Record this process as the build writing `part` (replacing a previous, finished owner)."""
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+    (part / OWNER_FILE).unlink(missing_ok=True)
+    fd = os.open(part / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump(owner, f)
+
+
+def read_owner(part: str | Path) -> dict | None:
+    """The build recorded as writing `DIR.part` (None: none recorded, or unreadable)."""
+    try:
+        owner = json.loads((Path(part) / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) and isinstance(owner.get("pid"), int) else None
+
+
+def describe_owner(owner: dict) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("started", 0)))
+    return f"pid {owner['pid']} on host {owner.get('host')}, started {started}"
+
+
+def owner_alive(owner: dict) -> bool:
+    """Whether the recorded build may still be running: its pid is alive on this host and started no
+    later than the build did (a pid reused since is not it). On another host it cannot be told, so yes."""
+    if owner.get("host") != socket.gethostname():
+        return True
+    pid = owner["pid"]
+    if pid == os.getpid():  # this process's own earlier attempt, which has returned
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    began = _process_start(pid)
+    return began is None or began <= float(owner.get("started", 0)) + 1.0
+
+
+def _process_start(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), from /proc; None where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))  # fmt: skip
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def check_index_target(path: str | Path, overwrite: bool) -> None:

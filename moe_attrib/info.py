@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+from moe_attrib.errors import MoeAttribError
 
-class InfoError(ValueError):
+_EXPERT_INDEX = re.compile(r"\.expert_(\d+)\.")
+
+
+class InfoError(MoeAttribError, ValueError):
     """A directory that is neither an index nor EK-FAC factors (nor an interrupted build of one)."""
 
 
@@ -57,15 +62,22 @@ def _index_summary(path: Path, m: dict) -> list[tuple[str, str]]:
             pass
     blocks = m.get("blocks", [])
     experts = sum(".expert_" in b["name"] for b in blocks)
+    layers = m.get("expert_layers", [])
+    per_layer = {int(e) for b in blocks for e in _EXPERT_INDEX.findall(b["name"])}
+    tracked = (
+        f"{len(layers)} fused experts modules" + (f", {len(per_layer)} experts each" if per_layer else ", summed")
+        if layers
+        else "none tracked (built without --track_moe_experts)"
+    )
     lines = [
         ("path", str(path)),
         ("kind", f"{kind}, {status}"),
         ("model", str(s.get("model"))),
         ("data", str(s.get("data", "(not recorded)"))),
         ("rows", f"{m.get('rows'):,} rows for {m.get('examples'):,} examples"),
-        ("columns", f"{m.get('dim'):,} in {len(blocks)} blocks ({experts} per-expert)"),
+        ("columns", f"{m.get('dim'):,} in {len(blocks)} blocks ({experts} of them one expert's)"),
         ("coverage", f"{m['coverage']:.2%} of trainable parameters" if "coverage" in m else "(not recorded)"),
-        ("expert layers", str(len(m.get("expert_layers", [])))),
+        ("experts", tracked),
     ]
     shown = (
         "projection_dim",
@@ -89,11 +101,18 @@ def _ekfac_summary(path: Path, info: dict) -> list[tuple[str, str]]:
     factors = info.get("factors", {})
     s = info.get("settings", {})
     experts = [k for k, f in factors.items() if isinstance(f, dict) and f.get("experts")]
+    modules = {k.rsplit(".", 1)[0] for k in experts}  # `<experts module>.<projection>`
+    counts = sorted({int(factors[k]["experts"]) for k in experts if isinstance(factors[k]["experts"], int)})
+    each = f", {'/'.join(map(str, counts))} experts each" if counts else ""
     lines = [
         ("path", str(path)),
         ("kind", "EK-FAC factors"),
         ("projection", f"projection_dim={info.get('projection_dim')}, seed={info.get('seed')}"),
-        ("factors", f"{len(factors)} modules ({len(experts)} fused experts modules, one factor per expert)"),
+        (
+            "factors",
+            f"{len(factors)} weights, {len(experts)} of them fused experts projections (one factor per expert)",
+        ),
+        ("experts", f"{len(modules)} fused experts modules{each}" if modules else "none (fitted without experts)"),
     ]
     lines += [(k, str(v)) for k, v in s.items() if "fingerprint" not in k]
     lines += _fingerprints(info, s)

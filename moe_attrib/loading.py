@@ -56,7 +56,7 @@ def load_model(spec: str, dtype: str | torch.dtype = "fp32") -> torch.nn.Module:
     try:
         check_model_spec(spec)
     except UsageError as err:
-        raise SystemExit(f"moe-attrib: cannot load model: {err}") from err
+        raise UsageError(f"cannot load model: {err}") from err
     if spec.startswith("tiny:"):
         from moe_attrib.zoo import tiny_model
 
@@ -74,9 +74,10 @@ def load_model(spec: str, dtype: str | torch.dtype = "fp32") -> torch.nn.Module:
             if hub_offline()
             else "the hub id"
         )
-        raise SystemExit(
-            f"moe-attrib: cannot load model {spec!r} from {where}: {err}\n"
-            "Give a local save_pretrained directory, a hub id (with network access), or tiny:<family>."
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(
+            f"cannot load model {spec!r} from {where}: {first} Give a local save_pretrained directory, a hub id "
+            "(with network access), or tiny:<family>."
         ) from err
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from moe_attrib.index import Index
 from moe_attrib.info import format_summary, summarize
+from moe_attrib.outputs import write_text
 
 _EXPERT_KEY = re.compile(r"^(?P<layer>.+)\.expert_(?P<i>\d+)$")
 _BLOCKS = " ▏▎▍▌▋▊▉█"
@@ -39,8 +40,14 @@ def _bar(fraction: float, width: int) -> str:
     return ("█" * (eighths // 8) + (_BLOCKS[eighths % 8] if eighths % 8 else "")).ljust(width)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
 def _one_line(text: str | None) -> str:
-    return " ".join((text or "(no text: pretokenized)").split())
+    """Text on one terminal line: whitespace runs become one space, and control characters (terminal
+    escape sequences in training text) are shown as `\\xNN` instead of acting on the terminal."""
+    flat = " ".join((text or "(no text: pretokenized)").split())
+    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", flat)
 
 
 def show_text(records: list[dict], top: int = 5, experts: int = 3, width: int | None = None) -> str:
@@ -70,17 +77,21 @@ def show_text(records: list[dict], top: int = 5, experts: int = 3, width: int | 
 # -- HTML ------------------------------------------------------------------------------------------
 
 _CSS = """
-body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
-h1{font-size:22px} h2{font-size:17px;margin-top:32px;border-top:1px solid #ccc;padding-top:12px}
-h3{font-size:14px;margin:14px 0 6px} pre.summary{background:#f6f6f6;padding:8px;font-size:12px}
-table.hits{border-collapse:collapse;width:100%;font-size:13px} .hits td,.hits th{padding:3px 6px;
+body{font-family:system-ui,sans-serif;margin:24px auto;padding:0 16px;color:#222;max-width:1200px}
+h1{font-size:22px} h2{font-size:17px;margin-top:32px;border-top:1px solid #ccc;padding-top:12px;overflow-wrap:anywhere}
+h3{font-size:14px;margin:14px 0 6px}
+pre.summary{background:#f6f6f6;padding:8px;font-size:12px;white-space:pre-wrap;overflow-wrap:anywhere}
+table.hits{border-collapse:collapse;width:100%;font-size:13px;table-layout:fixed} .hits td,.hits th{padding:3px 6px;
 border-bottom:1px solid #eee;vertical-align:top;text-align:left} .num{font-family:monospace;white-space:nowrap}
+.hits col.rank{width:3em} .hits col.score{width:7.5em} .hits col.bar{width:160px}
 .bar{height:12px;min-width:1px} .pos{background:#d6604d} .neg{background:#4393c3}
-.barcell{width:160px} .text{max-height:5em;overflow:auto} .meta{color:#777;font-size:11px}
+.text{max-height:5em;overflow:auto;overflow-wrap:anywhere} .meta{color:#777;font-size:11px;overflow-wrap:anywhere}
+.wide{overflow-x:auto;max-width:100%}
 table.heat{border-collapse:collapse;font-size:10px} .heat td{width:18px;height:14px;text-align:center}
-.heat th{font-weight:normal;padding:0 4px} .note{color:#777;font-style:italic;font-size:12px}
-.tok{border-radius:2px} .tok.hit{outline:2px solid #000} nav a{margin-right:8px;font-size:12px}
-img{max-width:100%}
+.heat th{font-weight:normal;padding:0 4px;white-space:nowrap} .note{color:#777;font-style:italic;font-size:12px}
+.tok{border-radius:2px} .tok.hit{outline:2px solid #000} p.example{overflow-wrap:anywhere}
+nav{display:flex;flex-wrap:wrap;gap:4px 8px} nav a{font-size:12px}
+img{max-width:100%;height:auto}
 """
 
 
@@ -117,7 +128,7 @@ def _table(matrix: np.ndarray, rows: list[str], cols: list[str], signed: bool) -
         + "</tr>"
         for r, row in zip(rows, matrix, strict=True)
     )
-    return f'<table class="heat">{head}{body}</table>'
+    return f'<div class="wide"><table class="heat">{head}{body}</table></div>'
 
 
 def _expert_matrix(hits: list[dict], layers: list[str]) -> tuple[np.ndarray, dict[str, float]]:
@@ -193,18 +204,32 @@ def _routing_section(record: dict, hits: list[dict], index: Index, plots: bool) 
     if not plots:
         cols = [f"{short_name(layer)}.e{i}" for layer in layers for i in range(num_e)]
         return note + caption + _table(flat, labels, cols, False)
+    return note + _png(routing_figure(flat, labels, [short_name(n) for n in layers], num_e))
+
+
+def routing_figure(shares: np.ndarray, rows: list[str], layers: list[str], num_experts: int):
+    """The routing map: `shares` `[rows, layers * num_experts]`, one row per query / hit (`rows`), the
+    experts of each layer side by side; the bottom axis numbers the experts (every one up to 64
+    columns in all, else every k-th: some 64 numbers, at least one per layer), the top axis names the layers."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 0.3 * len(rows) + 1.4), layout="constrained")
+    fig = Figure(figsize=(10, 0.3 * len(rows) + 1.6), layout="constrained")
     ax = fig.subplots()
-    im = ax.imshow(flat, cmap="Greens", vmin=0, aspect="auto", interpolation="nearest")
-    ax.set_yticks(range(len(labels)), labels)
-    ax.set_xticks([i * num_e + (num_e - 1) / 2 for i in range(len(layers))], [short_name(n) for n in layers])
+    im = ax.imshow(shares, cmap="Greens", vmin=0, aspect="auto", interpolation="nearest")
+    ax.set_yticks(range(len(rows)), rows)
+    step = max(1, -(-num_experts * len(layers) // 64))
+    experts = [i for i in range(num_experts) if i % step == 0]
+    ax.set_xticks([g * num_experts + i for g in range(len(layers)) for i in experts],
+                  [str(i) for _ in layers for i in experts], fontsize=7)  # fmt: skip
+    ax.set_xlabel("expert (within each layer)", fontsize=8)
+    top = ax.secondary_xaxis("top")
+    top.set_xticks([g * num_experts + (num_experts - 1) / 2 for g in range(len(layers))], layers)
+    top.tick_params(length=0, labelsize=8)
     for i in range(1, len(layers)):
-        ax.axvline(i * num_e - 0.5, color="#333", lw=0.8)
-    ax.set_title("routing: share of each layer's tokens per expert (columns: experts of each layer)", fontsize=10)
+        ax.axvline(i * num_experts - 0.5, color="#333", lw=0.8)
+    ax.set_title("routing: share of each layer's tokens per expert", fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.03)
-    return note + _png(fig)
+    return fig
 
 
 def _token_spans(hit: dict, marked: set[int]) -> str:
@@ -249,12 +274,13 @@ def _hits_table(hits: list[dict]) -> str:
         bar = f'<div class="bar {"pos" if hit["score"] >= 0 else "neg"}" style="width:{abs(hit["score"]) / scale:.1%}">'
         rows.append(
             f"<tr class='hit'><td class='num'>{hit['rank']}</td><td class='num'>{hit['score']:+.3e}</td>"
-            f"<td class='barcell'>{bar}</div></td>"
+            f"<td>{bar}</div></td>"
             f"<td><div class='meta'>example #{hit['example']}{token} {html.escape(str(ident))}</div>"
             f"<div class='text'>{html.escape(hit.get('text') or '(no text: pretokenized)')}</div></td></tr>"
         )
+    cols = "<colgroup><col class='rank'><col class='score'><col class='bar'><col></colgroup>"
     head = "<tr><th>rank</th><th>score</th><th></th><th>training example</th></tr>"
-    return f"<table class='hits'>{head}{''.join(rows)}</table>"
+    return f"<table class='hits'>{cols}{head}{''.join(rows)}</table>"
 
 
 def render_report(records: list[dict], index: Index, *, top: int | None = None, title: str | None = None) -> str:
@@ -295,8 +321,6 @@ def render_report(records: list[dict], index: Index, *, top: int | None = None, 
 def write_report(
     records: list[dict], index: Index, out: str | Path, *, top: int | None = None, title: str | None = None
 ) -> Path:
-    """Write the self-contained HTML report; `score --report` and `moe-attrib report` both call this."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_report(records, index, top=top, title=title), encoding="utf-8")
-    return out
+    """Write the self-contained HTML report (complete or not at all: `moe_attrib.outputs`); `score --report`
+    and `moe-attrib report` both call this."""
+    return write_text(out, render_report(records, index, top=top, title=title))

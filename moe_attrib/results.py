@@ -1,15 +1,19 @@
 """Score results as records, and their files: `.jsonl` (one line per query, exact), `.csv` and `.tsv`
 (one row per query and hit, for spreadsheets and pandas), chosen by the file's extension.
 
-A record is `{"query", "query_text", "query_fields" | "query_id", ["query_expert_counts"], "results": [hit]}`
+A record is `{"query", "query_text", "query_fields" | "query_id", ["query_expert_counts"], "index_fingerprint",
+"results": [hit]}`
 and a hit `{"rank", "row", "example", ["token"], "score", "text", "fields" | "id", ["per_module"],
 ["tokens", "token_scores"]}`. `fields` carry the data record's scalar fields (ids, metadata) into the results;
-with `id_field` only that one field is carried, as `id` / `query_id`.
+with `id_field` only that one field is carried, as `id` / `query_id`. `index_fingerprint` names the index the
+scores were computed against (`index_fingerprint()`), so that a report is never drawn from another index.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
+import io
 import json
 import math
 from pathlib import Path
@@ -17,7 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from moe_attrib.data import Example
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.index import Index
+from moe_attrib.outputs import replacing
 from moe_attrib.score import Scores, group_parts
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
@@ -25,7 +31,7 @@ _INT = ("query", "rank", "row", "example", "token")
 _JSON = ("per_module", "tokens", "token_scores", "query_expert_counts")
 
 
-class ResultsError(ValueError):
+class ResultsError(MoeAttribError, ValueError):
     """A results file or record that cannot be read or written as asked; the message names it."""
 
 
@@ -35,6 +41,18 @@ def results_format(path: str | Path) -> str:
     if suffix not in FORMATS:
         raise ResultsError(f"{path}: unknown results format {suffix!r}; use one of {', '.join(sorted(FORMATS))}.")
     return FORMATS[suffix]
+
+
+def index_fingerprint(index: Index) -> str:
+    """What an index's rows are, in 16 hex digits: the model's weights, the training data's tokens, the
+    tokenizer and every build setting that changes rows or columns (not paths, nor batch sizes)."""
+    m, st = index.manifest, index.manifest["settings"]
+    keys = ("model_fingerprint", "data_fingerprint", "tokenizer_fingerprint", "projection_dim", "seed", "projection",
+            "expert_blocks", "track_moe_experts", "filter_modules", "attribute_tokens")  # fmt: skip
+    what = {k: st.get(k) for k in keys}
+    what.update(optimizer_state=bool(st.get("optimizer_state")), index_dtype=st.get("index_dtype", "float32"))
+    what.update(rows=m["rows"], dim=m["dim"], expert_layers=m.get("expert_layers", []))
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _finite(value) -> float | None:
@@ -75,6 +93,7 @@ def score_records(
     example_ids = index.manifest["example_ids"]
     source = index.manifest["settings"].get("data", "training data")
     pieces: dict[int, list[str]] = {}
+    built_from = index_fingerprint(index)
     records = []
     for qi, ex in enumerate(queries):
         q_carried = _carried(ex, id_field, query_source)
@@ -82,6 +101,7 @@ def score_records(
         record.update({"query_id": q_carried["id"]} if id_field else {"query_fields": q_carried["fields"]})
         if query_counts is not None:
             record["query_expert_counts"] = query_counts[qi].tolist()
+        record["index_fingerprint"] = built_from
         hits = []
         for rank, (value, row) in enumerate(zip(scores.values[qi], scores.rows[qi], strict=True)):
             pos = int(np.searchsorted(offsets, row, side="right") - 1) if offsets is not None else int(row)
@@ -106,11 +126,12 @@ def score_records(
 
 
 def write_results(records: list[dict], path: str | Path) -> Path:
-    """Write records as JSONL, CSV or TSV (by extension)."""
+    """Write records as JSONL, CSV or TSV (by extension), through a temporary file renamed into place
+    when complete (`moe_attrib.outputs`): never a half-written file."""
     path = Path(path)
     fmt = results_format(path)
     if fmt == "jsonl":
-        with path.open("w") as f:
+        with replacing(path, encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps(record) + "\n")
         return path
@@ -118,7 +139,7 @@ def write_results(records: list[dict], path: str | Path) -> Path:
     columns: list[str] = []
     for row in rows:
         columns += [c for c in row if c not in columns]
-    with path.open("w", newline="") as f:
+    with replacing(path, newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, columns, delimiter="," if fmt == "csv" else "\t", lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
@@ -146,6 +167,8 @@ def _flat(record: dict, hit: dict) -> dict:
             row[key] = _cell(value) if key == "id" else value
     if "query_expert_counts" in record:
         row["query_expert_counts"] = json.dumps(record["query_expert_counts"])
+    if "index_fingerprint" in record:
+        row["index_fingerprint"] = record["index_fingerprint"]
     return row
 
 
@@ -165,17 +188,29 @@ def read_results(path: str | Path) -> list[dict]:
     fmt = results_format(path)
     if not path.is_file():
         raise ResultsError(f"{path}: no such results file (write one with `moe-attrib score --out {path.name}`).")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ResultsError(f"{path}: not a moe-attrib results file (not UTF-8 text).") from err
     if fmt == "jsonl":
         records = []
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        for lineno, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
-                    records.append(json.loads(line))
+                    record = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise ResultsError(f"{path}:{lineno}: not valid JSON ({err.msg}).") from err
+                _check_record(record, f"{path}:{lineno}")
+                records.append(record)
         return records
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f, delimiter="," if fmt == "csv" else "\t"))
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="," if fmt == "csv" else "\t")
+    missing = sorted({"query", "rank", "example", "score"} - set(reader.fieldnames or []))
+    if missing:
+        raise ResultsError(
+            f"{path}: not a moe-attrib results file (no column {', '.join(missing)}); give a file written by "
+            "`moe-attrib score --out`."
+        )
+    rows = list(reader)
     records: list[dict] = []
     for lineno, row in enumerate(rows, 2):
         try:
@@ -185,6 +220,19 @@ def read_results(path: str | Path) -> list[dict]:
         if new is not None:
             records.append(new)
     return records
+
+
+def _check_record(record, where: str) -> None:
+    """A JSONL line is a results record: an object with a query number and a list of hits that each
+    have a rank, an example and a score (what `show` and `report` read)."""
+    hits = record.get("results") if isinstance(record, dict) else None
+    ok = isinstance(hits, list) and isinstance(record.get("query"), int)
+    ok = ok and all(isinstance(h, dict) and {"rank", "example", "score"} <= h.keys() for h in hits)
+    if not ok:
+        raise ResultsError(
+            f'{where}: not a moe-attrib results record (it needs "query" and "results" with rank, example and '
+            "score per hit); give a file written by `moe-attrib score --out`."
+        )
 
 
 def _unflat(row: dict, last: dict | None) -> dict | None:
@@ -200,13 +248,15 @@ def _unflat(row: dict, last: dict | None) -> dict | None:
             }
         if row.get("query_expert_counts"):
             record["query_expert_counts"] = json.loads(row["query_expert_counts"])
+        if row.get("index_fingerprint"):
+            record["index_fingerprint"] = row["index_fingerprint"]
         record["results"] = []
         new = record
     else:
         record, new = last, None
     hit: dict = {}
     for key, value in row.items():
-        if key.startswith("query") or value == "" and key != "text":
+        if key.startswith("query") or key == "index_fingerprint" or value == "" and key != "text":
             continue
         if key in _INT:
             hit[key] = int(value)

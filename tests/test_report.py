@@ -130,3 +130,50 @@ def test_report_renders_in_a_headless_browser(demo, tmp_path):
     dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=180).stdout
     assert dom.count('<section class="query"') == len(records)
     assert dom.count("<img") == 2 * len(records)
+
+
+@pytest.mark.skipif(browser() is None, reason="no Chromium/Chrome on PATH (apt-get install chromium)")
+def test_report_fits_1280_pixels_without_sideways_scroll(demo, tmp_path):
+    """Long unbroken lines (an index path, a training text without spaces) wrap inside the page: at a
+    1280 px window the document is no wider than the window. Measured by Chromium itself, through
+    a copy of the page whose script writes `scrollWidth` into the DOM."""
+    from moe_attrib.index import load_index
+    from moe_attrib.report import render_report
+
+    out, _, _ = demo
+    deep = tmp_path / ("a-long-directory-name-" * 8)
+    deep.symlink_to(out / "index")
+    records = [json.loads(line) for line in (out / "scores.jsonl").read_text().splitlines()]  # as written
+    records[0]["results"][0]["text"] = "unbroken" * 80
+    page = render_report(records, load_index(deep))
+    probe = (
+        "<script>window.addEventListener('load', () => { const m = document.createElement('div'); "
+        "m.id = 'scroll-width'; m.textContent = document.documentElement.scrollWidth; "
+        "document.body.appendChild(m); });</script></body>"
+    )
+    (tmp_path / "probe.html").write_text(page.replace("</body>", probe), encoding="utf-8")
+    res = subprocess.run(
+        [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,900",
+         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
+         (tmp_path / "probe.html").as_uri()],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    width = re.search(r'<div id="scroll-width">(\d+)</div>', res.stdout)
+    assert width is not None, res.stderr[-2000:]
+    assert int(width[1]) <= 1280, width[1]
+
+
+def test_routing_figure_labels_its_expert_columns():
+    """The routing map numbers the experts of each layer along the bottom and names the layers on top."""
+    pytest.importorskip("matplotlib")
+    from moe_attrib.report import routing_figure
+
+    shares = np.random.default_rng(0).random((3, 2 * 8))
+    fig = routing_figure(shares, ["query", "#1", "#2"], ["L0", "L1"], 8)
+    ax = fig.axes[0]
+    bottom = [(t.get_position()[0], t.get_text()) for t in ax.get_xticklabels()]
+    assert bottom == [(g * 8 + i, str(i)) for g in range(2) for i in range(8)]
+    top = next(a for a in ax.child_axes)  # the secondary axis
+    assert [t.get_text() for t in top.get_xticklabels()] == ["L0", "L1"]
+    wide = routing_figure(np.zeros((1, 48 * 128)), ["query"], [f"L{i}" for i in range(48)], 128)
+    assert 0 < len(wide.axes[0].get_xticks()) <= 64 * 2  # a big model's axis stays readable
