@@ -39,7 +39,7 @@ def cosine(q: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return unit(q.astype(np.float64)) @ unit(rows.astype(np.float64)).T
 
 
-def run(name: str, root: Path, iterations: list[int], dampings: list[float]) -> dict:
+def run(name: str, root: Path, iterations: list[int], dampings: list[float], examples: int | None) -> dict:
     cached = lds.load_cached(name, root)
     model, train, queries = cached.model(), cached.examples, cached.queries
     out: dict[str, np.ndarray] = {}
@@ -76,7 +76,7 @@ def run(name: str, root: Path, iterations: list[int], dampings: list[float]) -> 
             start = time.perf_counter()
             refined = ma.refine_queries(
                 model, train, queries, exact, ekfac=ekx, iterations=max(iterations), damping=damping, callback=keep,
-                query_batch=len(queries),
+                query_batch=len(queries), examples=examples,
             )  # fmt: skip
             seconds = time.perf_counter() - start
             timing[f"refine damping {damping:g}: s per query per iteration"] = seconds / len(queries) / max(iterations)
@@ -90,7 +90,8 @@ def run(name: str, root: Path, iterations: list[int], dampings: list[float]) -> 
                 matrix = ma.score_matrix(exact, got, device="cpu")
                 assert np.allclose(matrix, cosine(got.rows.numpy(), rows_x), atol=1e-4)
                 out[f"refined, exact rows, damping {damping:g}, {k} it"] = matrix
-                out[f"refined, p=32 rows, damping {damping:g}, {k} it"] = cosine(np.concatenate(snaps[k]["p32"]), rows_32)
+                projected = np.concatenate(snaps[k]["p32"])
+                out[f"refined, p=32 rows, damping {damping:g}, {k} it"] = cosine(projected, rows_32)
     values = {label: lds.per_query_lds(s, cached.subsets, cached.losses) for label, s in out.items()}
     lds.print_variants(cached.title, values, cached.domains, "default", 48)
     base = next(iter(values.values()))
@@ -110,6 +111,7 @@ def main() -> None:
     parser = lds.cached_configs_parser(__doc__.splitlines()[0])
     parser.add_argument("--iterations", default="1,2,4,8")
     parser.add_argument("--dampings", default="0.01,0.1,1.0")
+    parser.add_argument("--examples", type=int, default=None, help="training rows the GGN averages over (seeded)")
     parser.add_argument("--out", default=None, help="JSON results (rewritten after each configuration)")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -117,7 +119,8 @@ def main() -> None:
     dampings = [float(d) for d in args.dampings.split(",")]
     results = []
     for name in args.configs:
-        results.append(run(name, Path(args.cache), iterations, dampings))
+        results.append(run(name, Path(args.cache), iterations, dampings, args.examples))
+        results[-1]["ggn_examples"] = args.examples
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -115,7 +116,9 @@ class GaussNewton:
     """Exact GGN-vector products `G v` over training examples, `G = 1/N sum_n J_n^T H_n J_n` (module docstring).
 
     `examples` are the training rows the products average over (all of them, or a seeded subset
-    from the caller); batches hold at most `token_batch_size` tokens (rows x longest length).
+    from the caller); batches hold at most `token_batch_size` tokens (rows x longest length), and
+    `vector_batch` vectors share one vmapped backward (their `[vectors, tokens, vocab]` products
+    are held at once).
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class GaussNewton:
         *,
         token_batch_size: int = 4096,
         pad_id: int = 0,
+        vector_batch: int = 8,
         progress: bool = False,
     ):
         if not examples:
@@ -136,6 +140,33 @@ class GaussNewton:
         self.pad_id, self.progress = pad_id, progress
         self.device = next(model.parameters()).device
         self.products = 0  # GGN products computed so far (one per vector per sweep)
+        self.vector_batch = vector_batch
+        self.batched = True  # vectors of a chunk in one vmapped backward; False after a failed try (warned)
+
+    def _products(self, logits, dummy, jt, used, chunk, probs, dt) -> list[torch.Tensor]:
+        """`J^T H J v` for one batch and a chunk of vectors `[C, *shape]`: one vmapped double backward and
+        one vmapped backward for the chunk (`is_grads_batched`), or a loop over its vectors."""
+        params = [self.params[j] for j in used]
+        if self.batched:
+            try:
+                (jv,) = torch.autograd.grad([jt[j] for j in used], dummy, chunk, retain_graph=True,
+                                            is_grads_batched=True)  # fmt: skip
+                jv = jv.to(dt)
+                hjv = probs * jv - probs * (probs * jv).sum(-1, keepdim=True)
+                return list(torch.autograd.grad(logits, params, hjv.to(logits.dtype), retain_graph=True,
+                                                is_grads_batched=True))  # fmt: skip
+            except RuntimeError as err:  # an op without a batching rule: the same products one vector at a time
+                warnings.warn(f"moe-attrib: GGN products one vector at a time ({err})", UserWarning, stacklevel=3)
+                self.batched = False
+        outs = [torch.zeros_like(c) for c in chunk]
+        for i in range(chunk[0].shape[0]):
+            (jv,) = torch.autograd.grad([jt[j] for j in used], dummy, [c[i] for c in chunk], retain_graph=True)
+            jv = jv.to(dt)
+            hjv = probs * jv - probs * (probs * jv).sum(-1, keepdim=True)
+            for o, g in zip(outs, torch.autograd.grad(logits, params, hjv.to(logits.dtype), retain_graph=True),
+                            strict=True):  # fmt: skip
+                o[i] = g
+        return outs
 
     def __call__(self, vectors: Vectors) -> Vectors:
         """`G v` for each of the Q vectors (`[Q, *shape]` per parameter), in the vectors' dtype."""
@@ -153,15 +184,10 @@ class GaussNewton:
                 dummy = torch.zeros_like(logits, requires_grad=True)
                 jt = torch.autograd.grad(logits, self.params, dummy, create_graph=True, allow_unused=True)
                 used = [i for i, g in enumerate(jt) if g is not None]
-                for i in range(q):
-                    v = [vectors[j][i].to(self.params[j].dtype) for j in used]
-                    (jv,) = torch.autograd.grad([jt[j] for j in used], dummy, v, retain_graph=True)
-                    jv = jv.to(dt)
-                    hjv = probs * jv - probs * (probs * jv).sum(-1, keepdim=True)
-                    back = torch.autograd.grad(logits, [self.params[j] for j in used], hjv.to(logits.dtype),
-                                               retain_graph=True)  # fmt: skip
-                    for j, g in zip(used, back, strict=True):
-                        out[j][i] += g.to(out[j].dtype)
+                for at in range(0, q, self.vector_batch):
+                    chunk = [vectors[j][at : at + self.vector_batch].to(self.params[j].dtype) for j in used]
+                    for j, g in zip(used, self._products(logits, dummy, jt, used, chunk, probs, dt), strict=True):
+                        out[j][at : at + self.vector_batch] += g.to(out[j].dtype)
                 del logits, jt, dummy
         self.products += q
         return [o / len(self.examples) for o in out]
@@ -230,9 +256,7 @@ def mean_eigenvalue(ekfac: EKFAC | None, ggn: GaussNewton, like: Vectors, seed: 
         size = sum(f.lam.numel() for f in ekfac.factors.values())
         return total / max(size, 1)
     gen = torch.Generator().manual_seed(seed)
-    z = [
-        (torch.randint(0, 2, (probes, *v.shape[1:]), generator=gen) * 2 - 1).to(v.device, v.dtype) for v in like
-    ]
+    z = [(torch.randint(0, 2, (probes, *v.shape[1:]), generator=gen) * 2 - 1).to(v.device, v.dtype) for v in like]
     size = sum(v[0].numel() for v in like)
     return float(_dot(z, ggn(z)).mean()) / size
 
@@ -369,6 +393,7 @@ def refine_queries(
     pad_id: int = 0,
     token_batch_size: int = 4096,
     query_batch: int = 16,
+    vector_batch: int = 8,
     dtype: torch.dtype = torch.float32,
     callback: Callable[[int, int, Vectors], None] | None = None,
     progress: bool = False,
@@ -377,7 +402,8 @@ def refine_queries(
     gradient, `G` the exact GGN over `train` (or `examples` of its rows drawn with `seed`), solved
     by `iterations` steps of CG preconditioned with unprojected `ekfac` factors, `m` the mean
     eigenvalue of G, `P` the index's projection. Queries are solved `query_batch` at a time (each
-    batch shares the sweeps' forwards); `dtype` is the solver's vectors' (float64 for tests)."""
+    batch shares the sweeps' forwards), `vector_batch` of them per vmapped backward; `dtype` is the
+    solver's vectors' (float64 for tests)."""
     if iterations < 0 or damping <= 0:
         raise RefineError(f"refinement needs iterations >= 0 and damping > 0, not {iterations} and {damping}.")
     st = index.manifest["settings"]
@@ -393,7 +419,8 @@ def refine_queries(
     if examples is not None and examples < len(train):
         pick = np.sort(np.random.default_rng(seed).choice(len(train), examples, replace=False))
         subset = [train[i] for i in pick]
-    ggn = GaussNewton(model, entries, subset, token_batch_size=token_batch_size, pad_id=pad_id, progress=progress)
+    ggn = GaussNewton(model, entries, subset, token_batch_size=token_batch_size, pad_id=pad_id,
+                      vector_batch=vector_batch, progress=progress)  # fmt: skip
     like = [torch.zeros(1, *e.param.shape, dtype=dtype, device=ggn.device) for e in entries]
     scale = mean_eigenvalue(ekfac, ggn, like, seed)
     if not scale > 0 or not math.isfinite(scale):

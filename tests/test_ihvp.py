@@ -60,7 +60,10 @@ def dense_ggn(model, entries, examples) -> torch.Tensor:
             t, v = z.shape
             eye = torch.eye(t * v, dtype=z.dtype).view(t * v, t, v)
             rows = torch.autograd.grad(z, params, eye, is_grads_batched=True, allow_unused=True)
-            rows = [r if r is not None else torch.zeros(t * v, *p.shape, dtype=z.dtype) for r, p in zip(rows, params, strict=True)]
+            rows = [
+                r if r is not None else torch.zeros(t * v, *p.shape, dtype=z.dtype)
+                for r, p in zip(rows, params, strict=True)
+            ]
             jac = torch.cat([r.flatten(1) for r in rows], 1).view(t, v, size).double()
             p = torch.softmax(z.detach().double(), -1)
         for k in range(t):
