@@ -14,6 +14,7 @@ from moe_attrib import ihvp
 from moe_attrib.data import Example, collate, labels_for
 from moe_attrib.zoo import tiny_model
 from tests.conftest import rel_err
+from tests.test_build import model_dir  # noqa: F401  (fixture)
 
 # small enough for a dense G (3.2k parameters), all of the model's kinds of blocks
 SMALL = dict(hidden_size=16, moe_intermediate_size=4, intermediate_size=16, num_attention_heads=2,
@@ -301,3 +302,35 @@ def test_cuda_bf16_grouped_mm_ggn_and_refine(small, tmp_path):
     want = torch.linalg.solve(g + lam * torch.eye(g.shape[0], dtype=torch.float64), q.T).T
     cos = torch.nn.functional.cosine_similarity(refined.rows.double(), want, dim=1)
     assert cos.min() > 0.98, cos
+
+
+def test_cli_score_refine_equals_the_python_api(model_dir, tmp_path):  # noqa: F811
+    """`score --refine N --refine_ekfac DIR` ranks by the library's refined rows; `--ekfac` with it is refused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.test_build import CORPUS, build
+    from tests.test_integrity import cli, inproc
+
+    build(model_dir, CORPUS, "--index", tmp_path / "idx", "--track_moe_experts", "--no_projection")
+    res = cli("ekfac", model_dir, CORPUS, "--out", tmp_path / "ek", "--track_moe_experts", "--no_projection",
+              "--precision", "fp32", "--quiet")  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"text": "Ada was born in Lisbon"}\n{"text": "Boris kept a camera"}\n')
+    refine = ["--refine", 2, "--refine_ekfac", tmp_path / "ek", "--refine_examples", 6, "--refine_damping", 0.5]
+    res = cli("score", "--index", tmp_path / "idx", model_dir, queries, "--out", tmp_path / "r.jsonl",
+              "--all_scores", tmp_path / "m.npy", *refine)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "2 CG iterations, 2 GGN products per query over 6 training rows" in res.stdout
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    index = ma.load_index(tmp_path / "idx")
+    refined = ma.refine_queries(
+        model, ma.load_examples(str(CORPUS), tok), ma.load_examples(str(queries), tok), index,
+        ekfac=ma.load_ekfac(tmp_path / "ek"), iterations=2, damping=0.5, examples=6,
+    )  # fmt: skip
+    want = ma.score_matrix(index, refined, device="cpu")
+    assert np.allclose(np.load(tmp_path / "m.npy"), want, atol=1e-4)
+    res = inproc("score", "--index", tmp_path / "idx", model_dir, queries, "--out", tmp_path / "x.jsonl",
+                 "--ekfac", tmp_path / "ek", *refine)  # fmt: skip
+    assert res.returncode == 2 and "cannot be combined with --ekfac" in res.stderr
