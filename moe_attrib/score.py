@@ -183,7 +183,8 @@ def score(
     `reader` tune the reads (`moe_attrib.stream`). `modules` (a glob over block names) scores
     through those blocks only. `coupling` ("auto": fitted here from the index's rows; a `Coupling`
     from `fit_coupling` to reuse one; None: off) adds the cross-module correction, `balance`
-    ("auto", a `Balance` from `fit_balance`, None) the output-layer balance.
+    ("auto", a `Balance` from `fit_balance`, None) the output-layer balance. `queries` may be
+    `RefinedQueries` (`moe_attrib.ihvp.refine_queries`), scored as they are (`ekfac=None`).
     """
     device = _device(device)
     q = prepare_queries(
