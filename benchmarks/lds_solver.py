@@ -59,6 +59,9 @@ def run(name: str, root: Path, iterations: list[int], dampings: list[float], exa
         out["exact rows, EK-FAC, no coupling/balance"] = ma.score_matrix(
             exact, qx, ekfac=ekx, coupling=None, balance=None, device="cpu"
         )
+        out["exact rows, EK-FAC, inner product, no coupling/balance"] = ma.score_matrix(
+            exact, qx, ekfac=ekx, unit_normalize=False, coupling=None, balance=None, device="cpu"
+        )
         out["p=32, EK-FAC, no coupling/balance"] = ma.score_matrix(
             p32, q32, ekfac=ek32, coupling=None, balance=None, device="cpu"
         )
@@ -90,6 +93,8 @@ def run(name: str, root: Path, iterations: list[int], dampings: list[float], exa
                 matrix = ma.score_matrix(exact, got, device="cpu")
                 assert np.allclose(matrix, cosine(got.rows.numpy(), rows_x), atol=1e-4)
                 out[f"refined, exact rows, damping {damping:g}, {k} it"] = matrix
+                dot = got.rows.numpy().astype(np.float64) @ rows_x.T.astype(np.float64)
+                out[f"refined, exact rows, damping {damping:g}, {k} it, inner product"] = dot
                 projected = np.concatenate(snaps[k]["p32"])
                 out[f"refined, p=32 rows, damping {damping:g}, {k} it"] = cosine(projected, rows_32)
     values = {label: lds.per_query_lds(s, cached.subsets, cached.losses) for label, s in out.items()}
