@@ -9,6 +9,7 @@ from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.ekfac import EKFAC, fit_ekfac, load_ekfac
 from moe_attrib.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
 from moe_attrib.graphs import GraphedCollector
+from moe_attrib.ihvp import RefinedQueries, RefineError, refine_queries
 from moe_attrib.index import Index, IndexFileError, load_index
 from moe_attrib.score import (
     ScoreError,
@@ -35,6 +36,8 @@ __all__ = [
     "IndexFileError",
     "LayoutError",
     "PerExampleGradients",
+    "RefineError",
+    "RefinedQueries",
     "ScoreError",
     "Scores",
     "__version__",
@@ -51,6 +54,7 @@ __all__ = [
     "precondition_queries",
     "prepare_queries",
     "query_gradients",
+    "refine_queries",
     "restore_moe",
     "score",
     "score_matrix",

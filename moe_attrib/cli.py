@@ -411,6 +411,8 @@ def cmd_score(args: argparse.Namespace) -> int:
                 check_id_field(train, args.id_field, settings["data"])
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # --fsdp: its rank's
         coupled = coupling_args(args)
+        if args.refine:  # the refined IHVP replaces EK-FAC, coupling and balance (docs/scoring.md#refinement)
+            coupled, ekfac_dirs, args.output_balance = check_refine(args, index), [], False
         if coupled:  # before the model is loaded
             check_coupling_memory(index, args.coupling_sample, device, args.coupling_rank)
         balanced = args.output_balance and args.modules is None  # a --modules score is never balanced
@@ -442,6 +444,8 @@ def cmd_score(args: argparse.Namespace) -> int:
         q, query_counts = query_gradients(
             model, queries, index, pad_id=pad, with_counts=True, token_batch_size=max(8192, longest)
         )
+        if args.refine:
+            q = refine_cli(args, model, index, training_examples(settings, tokenizer, args.text_field), queries, pad)
         if dist is not None and not dist.is_main:
             return 0
         if ekfac is not None and (args.damping is not None or args.damping_scope is not None):
@@ -525,6 +529,34 @@ def check_id_field(examples: list, id_field: str, source: str) -> None:
                 f"{source}: row {ex.index} has no scalar field {id_field!r} to use as --id_field "
                 f"(its fields: {sorted(ex.fields) or 'none besides the text'})."
             )
+
+
+def check_refine(args: argparse.Namespace, index) -> dict:
+    """`score --refine`: what it cannot be combined with, refused before the model is loaded; no coupling."""
+    if args.refine < 0 or args.refine_damping <= 0:
+        raise UsageError(f"--refine {args.refine} / --refine_damping {args.refine_damping}: need N >= 0, D > 0.")
+    for flag, given in (("--ekfac", args.ekfac), ("--fsdp", args.fsdp), ("--average_with", args.average_with)):
+        if given:
+            raise UsageError(f"--refine replaces EK-FAC scoring and cannot be combined with {flag}.")
+    return {}
+
+
+def refine_cli(args: argparse.Namespace, model, index, train: list, queries: list, pad: int):
+    """`score --refine N`: the refined query rows (`moe_attrib.ihvp.refine_queries`), cost printed."""
+    import numpy as np
+
+    from moe_attrib.ekfac import load_ekfac
+    from moe_attrib.ihvp import refine_queries
+
+    ekfac = load_ekfac(args.refine_ekfac) if args.refine_ekfac else None
+    refined = refine_queries(
+        model, train, queries, index, ekfac=ekfac, iterations=args.refine, damping=args.refine_damping,
+        examples=args.refine_examples, pad_id=pad, progress=True,
+    )  # fmt: skip
+    print(f"refined {len(queries)} queries: {args.refine} CG iterations, {refined.products} GGN products per query "
+          f"over {refined.settings['examples']} training rows, median relative residual "
+          f"{float(np.median(refined.residuals[-1])):.3g}")  # fmt: skip
+    return refined
 
 
 def matrix_scores(args: argparse.Namespace, index, q, others: list, opts: dict, matrix: Path):
@@ -861,6 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
     ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")
     ekfac.set_defaults(func=cmd_ekfac)
 
+    from moe_attrib.ihvp import DEFAULT_DAMPING as REFINE_DAMPING
     from moe_attrib.score import DEFAULT_UNIT_NORMALIZE
 
     sc = sub.add_parser("score", help="top training examples of an index for each query")
@@ -895,6 +928,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(same data and queries): docs/scoring.md",
     )
     sc.add_argument("--top_k", type=positive_int, default=10, help="training rows kept per query")
+    sc.add_argument(
+        "--refine",
+        type=int,
+        default=0,
+        metavar="N",
+        help="refine each query by N CG iterations of "
+        "exact Gauss-Newton products over the training data (docs/scoring.md#refinement); 0: off",
+    )
+    sc.add_argument(
+        "--refine_ekfac",
+        default=None,
+        metavar="DIR",
+        help="EK-FAC fitted with --no_projection: the refinement's preconditioner (default: none, plain CG)",
+    )
+    sc.add_argument("--refine_damping", type=float, default=REFINE_DAMPING, help="x the mean eigenvalue of G")
+    sc.add_argument("--refine_examples", type=int, default=None, help="training rows the GGN averages over (all)")
+    sc.add_argument("--top_k", type=positive_int, default=10)
     sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")
     sc.add_argument("--text_field", default="text", help="text field of the queries (the index records its own)")
     sc.add_argument("--tokenizer", default=None, help="default: the index's --tokenizer, else the model's")

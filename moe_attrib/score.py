@@ -24,6 +24,7 @@ from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.fingerprint import check_model, check_settings_match
+from moe_attrib.ihvp import RefinedQueries
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
 from moe_attrib.precondition import EXPERT_BLOCK, ScoreError, module_blocks, module_columns, precondition_queries
 from moe_attrib.projection import projection_kind
@@ -35,6 +36,7 @@ DEFAULT_BALANCE = "auto"  # balance the output layer's vote against the whole mo
 __all__ = [
     "Balance",
     "Coupling",
+    "RefinedQueries",
     "ScoreError",
     "Scores",
     "precondition_queries",
@@ -57,7 +59,7 @@ class Scores:
 
 def prepare_queries(
     index: Index,
-    queries: torch.Tensor | np.ndarray,
+    queries: torch.Tensor | np.ndarray | RefinedQueries,
     *,
     ekfac: EKFAC | None = None,
     unit_normalize: bool = False,
@@ -71,7 +73,12 @@ def prepare_queries(
     blocks matching `modules` (other columns zero), coupled across modules (`coupling`: a fitted
     `Coupling`, "auto" to fit one here on `device`, None for none), unit-normalised, and with the
     output layer's vote balanced against the whole model's (`balance`: a fitted `Balance`, "auto",
-    None; never with `modules`); on the CPU."""
+    None; never with `modules`); on the CPU. `RefinedQueries` (`moe_attrib.ihvp.refine_queries`) are
+    already preconditioned: they are only restricted and unit-normalised (no EK-FAC, coupling or
+    balance: "auto" means none for them, anything else is a `ScoreError`)."""
+    if isinstance(queries, RefinedQueries):
+        queries = _refined_rows(index, queries, ekfac, coupling, balance)
+        ekfac, coupling, balance = None, None, None
     q = (
         queries.detach().float().cpu()
         if isinstance(queries, torch.Tensor)
@@ -100,6 +107,18 @@ def prepare_queries(
     if balance is not None:
         q = balance.apply(q, preconditioned)
     return q
+
+
+def _refined_rows(index: Index, refined: RefinedQueries, ekfac, coupling, balance) -> torch.Tensor:
+    """The rows of refined queries, refused with anything that would precondition them again."""
+    if str(index.path) != refined.index_path:
+        raise ScoreError(f"these refined queries were projected for the index {refined.index_path}, not {index.path}.")
+    if ekfac is not None:
+        raise ScoreError("refined queries already hold (G + damping)^-1 q: score them with ekfac=None.")
+    for name, value in (("coupling", coupling), ("balance", balance)):
+        if value is not None and not (isinstance(value, str) and value == "auto"):
+            raise ScoreError(f"refined queries take no {name} (the solve already includes cross-module curvature).")
+    return refined.rows
 
 
 def row_blocks(
@@ -141,7 +160,7 @@ def _device(device: str | torch.device | None) -> torch.device:
 
 def score(
     index: Index,
-    queries: torch.Tensor | np.ndarray,
+    queries: torch.Tensor | np.ndarray | RefinedQueries,
     *,
     ekfac: EKFAC | None = None,
     unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
@@ -164,7 +183,8 @@ def score(
     `reader` tune the reads (`moe_attrib.stream`). `modules` (a glob over block names) scores
     through those blocks only. `coupling` ("auto": fitted here from the index's rows; a `Coupling`
     from `fit_coupling` to reuse one; None: off) adds the cross-module correction, `balance`
-    ("auto", a `Balance` from `fit_balance`, None) the output-layer balance.
+    ("auto", a `Balance` from `fit_balance`, None) the output-layer balance. `queries` may be
+    `RefinedQueries` (`moe_attrib.ihvp.refine_queries`), scored as they are (`ekfac=None`).
     """
     device = _device(device)
     q = prepare_queries(
@@ -223,7 +243,7 @@ def hit_parts(
 
 def score_matrix(
     index: Index,
-    queries: torch.Tensor | np.ndarray,
+    queries: torch.Tensor | np.ndarray | RefinedQueries,
     *,
     ekfac: EKFAC | None = None,
     unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
