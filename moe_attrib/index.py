@@ -34,6 +34,7 @@ INDEX_FILES = (
     "expert_counts.npy",
     "token_offsets.npy",
     "done.npy",
+    "eigenbasis.safetensors",  # an eigenbasis index's kept eigenvectors (moe_attrib.eigenbasis)
 )
 
 
