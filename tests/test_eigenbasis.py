@@ -1,6 +1,8 @@
 """Eigenbasis index rows against exact per-example gradients rotated by hand, elementwise
 preconditioning against `Factor.precondition`, the budget, and the build/score round trip."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -163,3 +165,50 @@ def test_plan_refuses_unfolded_bias_and_missing_factor():
     partial = fit_ekfac(model, exs, projection_dim=8, filter_modules="*.experts*", token_batch_size=48, progress=False)
     with pytest.raises(ValueError, match="no EK-FAC factor"):
         plan_eigenbasis(report, partial, "4KiB")
+
+
+def test_inspect_plans_from_config_alone(tmp_path, capsys):
+    """`inspect` on a directory with only config.json: the meta-device model's coverage and the default
+    index's bytes per example, equal to the column plan of the real model."""
+    from moe_attrib.cli import main
+    from moe_attrib.index import DEFAULT_PROJECTION_DIM, column_plan
+    from moe_attrib.zoo import tiny_config
+
+    tiny_config("gpt_oss").save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert main(["inspect", str(tmp_path), "--track_moe_experts"]) == 0
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if x.startswith("index bytes per example: ")]
+    report = ma.discover(tiny_model("gpt_oss"), track_moe_experts=True)
+    want = column_plan(report, DEFAULT_PROJECTION_DIM, "separate")[-1].stop * 4
+    assert line == [f"index bytes per example: {want}"]
+
+
+def test_cli_flow_and_refused_factors(tmp_path, capsys):
+    """ekfac -> build --ekfac --budget -> score --ekfac; other factors are refused before any work."""
+    from moe_attrib.cli import main
+    from moe_attrib.zoo import save_tiny
+    from tests.test_build import CORPUS, texts
+
+    model = tmp_path / "model"
+    save_tiny(str(model), "qwen3_moe", texts())
+    common = ["--track_moe_experts", "--quiet", "--precision", "fp32"]
+    assert main(["ekfac", str(model), str(CORPUS), "--out", str(tmp_path / "f"), "--projection_dim", "16", *common]) == 0
+    assert main(["ekfac", str(model), str(CORPUS), "--out", str(tmp_path / "g"), "--projection_dim", "16",
+                 "--damping_scope", "expert", "--empirical_fisher", *common]) == 0  # fmt: skip
+    ix = tmp_path / "ix"
+    assert main(["build", str(model), str(CORPUS), "--index", str(ix), "--ekfac", str(tmp_path / "f"),
+                 "--budget", "6KiB", *common]) == 0  # fmt: skip
+    index = load_index(ix)
+    assert 0 < index.gradients.shape[1] * 4 <= 6 * 1024
+    assert index.manifest["settings"]["eigenbasis"]["budget_bytes"] == 6 * 1024
+    out = tmp_path / "s.jsonl"
+    args = ["score", "--index", str(ix), str(model), str(CORPUS), "--out", str(out), "--per_module", "--top_k", "2"]
+    assert main([*args, "--ekfac", str(tmp_path / "f")]) == 0
+    first = [json.loads(line) for line in out.read_text().splitlines()][0]
+    assert first["results"][0]["row"] == 0  # the query is the first training example
+    capsys.readouterr()
+    assert main([*args, "--ekfac", str(tmp_path / "g")]) == 2
+    assert "not the ones" in capsys.readouterr().err
+    assert main(["build", str(model), str(CORPUS), "--index", str(tmp_path / "iy"), "--budget", "1KiB", *common]) == 2
+    assert "--ekfac" in capsys.readouterr().err
