@@ -193,9 +193,9 @@ def test_cli_flow_and_refused_factors(tmp_path, capsys):
     model = tmp_path / "model"
     save_tiny(str(model), "qwen3_moe", texts())
     common = ["--track_moe_experts", "--quiet", "--precision", "fp32"]
-    assert main(["ekfac", str(model), str(CORPUS), "--out", str(tmp_path / "f"), "--projection_dim", "16", *common]) == 0
-    assert main(["ekfac", str(model), str(CORPUS), "--out", str(tmp_path / "g"), "--projection_dim", "16",
-                 "--damping_scope", "expert", "--empirical_fisher", *common]) == 0  # fmt: skip
+    fit = ["ekfac", str(model), str(CORPUS), "--projection_dim", "16", *common]
+    assert main([*fit, "--out", str(tmp_path / "f")]) == 0
+    assert main([*fit, "--out", str(tmp_path / "g"), "--damping_scope", "expert", "--empirical_fisher"]) == 0
     ix = tmp_path / "ix"
     assert main(["build", str(model), str(CORPUS), "--index", str(ix), "--ekfac", str(tmp_path / "f"),
                  "--budget", "6KiB", *common]) == 0  # fmt: skip
