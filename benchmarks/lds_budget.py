@@ -7,7 +7,8 @@ example (stored columns x bytes per value), its LDS with a bootstrap CI, and the
 CIs of its difference to today's default index (seeded projections, p=32, float32) and to exact
 rows. Eigenbasis rows (`build_index(ekfac=, budget=)`) use factors fitted with the sketch
 `--sketch` (128: every side of these models is kept exact) and budgets given as fractions of the
-default index's bytes:
+default index's bytes, or scaled from the Qwen3-30B-A3B shape (the same columns per weight block as
+256 KiB / 1 MiB there), and 1 MiB itself (more than every direction of these small models):
 
     nice -n 10 python benchmarks/lds_budget.py cpu cpu-shared --cache /work/lds-cache
 
@@ -28,10 +29,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
+from moe_attrib.discovery import iter_entries  # noqa: E402
 from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 
 PS = (8, 16, 32, 64, 128)
-FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1.0)  # eigenbasis budgets, as fractions of the default index's bytes
+FRACTIONS = (1 / 64, 1 / 16, 1 / 4)  # eigenbasis budgets, as fractions of the default index's bytes
+# eigenbasis budgets scaled from a large model: the same stored columns per weight block as a budget of
+# `bytes` per example on the Qwen3-30B-A3B shape (12,529 weight blocks: `inspect benchmarks/shapes/qwen3-30b-a3b`)
+QWEN3_BLOCKS = 12529
+MATCHED = ((256 * 2**10, "float32"), (256 * 2**10, "bfloat16"), (2**20, "float32"), (2**20, "bfloat16"))
 OUT = Path(__file__).parent / "results" / "issue32"
 DEFAULT = f"default: projected p={DEFAULT_PROJECTION_DIM}, float32"
 EXACT = "exact rows"
@@ -83,7 +89,20 @@ def run(name: str, root: Path, sketch: int, fractions: tuple[float, ...]) -> dic
             for dtype in ("float32", "bfloat16"):
                 add(f"eigenbasis, budget {budget} B ({frac:g} x default), {dtype}", ekfac(sketch),
                     ekfac=ekfac(sketch), budget=budget, index_dtype=dtype)  # fmt: skip
+        blocks = weight_blocks(model)
+        for qwen3_bytes, dtype in MATCHED:
+            budget = qwen3_bytes * blocks // QWEN3_BLOCKS
+            label = f"eigenbasis, budget {budget} B (as {qwen3_bytes // 2**10} KiB on Qwen3-30B-A3B), {dtype}"
+            add(label, ekfac(sketch), ekfac=ekfac(sketch), budget=budget, index_dtype=dtype)
+        add("eigenbasis, budget 1 MiB (every direction here), bfloat16", ekfac(sketch), ekfac=ekfac(sketch),
+            budget=2**20, index_dtype="bfloat16")  # fmt: skip
     return summarise(name, cached, results)
+
+
+def weight_blocks(model) -> int:
+    """Weight blocks of an eigenbasis index of the whole model (each expert's its own)."""
+    report = ma.discover(model, track_moe_experts=True, warn=False)
+    return sum(e.layout.num_experts if e.layout else 1 for e in iter_entries(report.targets) if e.kind == "weight")
 
 
 def summarise(name: str, cached, results: dict) -> dict:

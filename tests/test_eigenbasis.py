@@ -212,3 +212,19 @@ def test_cli_flow_and_refused_factors(tmp_path, capsys):
     assert "not the ones" in capsys.readouterr().err
     assert main(["build", str(model), str(CORPUS), "--index", str(tmp_path / "iy"), "--budget", "1KiB", *common]) == 2
     assert "--ekfac" in capsys.readouterr().err
+
+
+def test_token_rows_sum_to_example_rows(tmp_path):
+    """`attribute_tokens` on an eigenbasis index: an example's token rows sum to its example row (experts
+    and a folded bias included), and per-token rows keep every expert's blocks."""
+    model = tiny_model("gpt_oss")
+    exs = examples(6)
+    ek = fit_ekfac(model, exs, projection_dim=8, token_batch_size=48, progress=False)
+    rows = load_index(build_index(model, exs, tmp_path / "ex", ekfac=ek, budget="3KiB", progress=False))
+    tokens = load_index(
+        build_index(model, exs, tmp_path / "tok", ekfac=ek, budget="3KiB", attribute_tokens=True, progress=False)
+    )
+    assert [b.name for b in tokens.blocks] == [b.name for b in rows.blocks]
+    o = tokens.token_offsets
+    summed = torch.stack([torch.from_numpy(tokens.read_rows(slice(o[i], o[i + 1]))).sum(0) for i in range(len(exs))])
+    assert rel_err(summed, torch.from_numpy(rows.read_rows(slice(None)))) < 1e-4
