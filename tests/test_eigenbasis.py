@@ -73,7 +73,7 @@ def expected_block(grads, ek, block, sketch=None):
 )
 def test_rows_equal_exact_gradient_rotated_and_truncated(tmp_path, family, sketch):
     model = tiny_model(family)
-    exs = examples(12)
+    exs = examples(8)
     ek = fit_ekfac(model, exs, projection_dim=sketch, token_batch_size=48, progress=False)
     total = sum(f.lam.numel() for f in ek.factors.values())  # columns of every direction pair
     path = build_index(model, exs, tmp_path / "ix", ekfac=ek, budget=4 * total // 3, progress=False)
