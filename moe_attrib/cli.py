@@ -788,7 +788,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--budget",
         default=None,
-        help="bytes per example of an eigenbasis index (--ekfac), e.g. 256KiB or 1MiB (default 256KiB)",
+        help="bytes per example of an eigenbasis index (--ekfac), e.g. 256KiB or 1MiB (default 1MiB; "
+        "best with --index_dtype bfloat16: docs/build.md)",
     )
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
     build.add_argument("--overwrite", action="store_true", help="replace an existing index in DIR (only its files)")
