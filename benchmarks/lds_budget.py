@@ -47,7 +47,9 @@ def bytes_per_example(index) -> int:
     return int(index.gradients.shape[1] * index.gradients.dtype.itemsize)
 
 
-def run(name: str, root: Path, sketch: int, fractions: tuple[float, ...]) -> dict:
+def run(name: str, root: Path, sketch: int, fractions: tuple[float, ...], core: bool = False) -> dict:
+    """Every variant of configuration `name` (`core`: only the default, exact rows and the eigenbasis
+    budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations)."""
     cached = lds.load_cached(name, root)
     model = cached.model()
     subsets, losses, examples, queries = cached.subsets, cached.losses, cached.examples, cached.queries
@@ -76,15 +78,16 @@ def run(name: str, root: Path, sketch: int, fractions: tuple[float, ...]) -> dic
         p0 = DEFAULT_PROJECTION_DIM
         add(DEFAULT, ekfac(p0), projection_dim=p0)
         add(EXACT, ekfac(None), projection_dim=None)
-        for p in PS:
+        for p in () if core else PS:
             if p != p0:
                 add(f"projected p={p}, float32", ekfac(p), projection_dim=p)
-        add(f"projected p={p0}, bfloat16", ekfac(p0), projection_dim=p0, index_dtype="bfloat16")
-        add("projected p=64, bfloat16", ekfac(64), projection_dim=64, index_dtype="bfloat16")
-        # summed experts cannot be preconditioned per expert: scored without EK-FAC
-        add(f"projected p={p0}, expert_blocks=sum, no EK-FAC", None, projection_dim=p0, expert_blocks="sum")
+        if not core:
+            add(f"projected p={p0}, bfloat16", ekfac(p0), projection_dim=p0, index_dtype="bfloat16")
+            add("projected p=64, bfloat16", ekfac(64), projection_dim=64, index_dtype="bfloat16")
+            # summed experts cannot be preconditioned per expert: scored without EK-FAC
+            add(f"projected p={p0}, expert_blocks=sum, no EK-FAC", None, projection_dim=p0, expert_blocks="sum")
         default_bytes = results[DEFAULT]["bytes"]
-        for frac in fractions:
+        for frac in () if core else fractions:
             budget = int(default_bytes * frac)
             for dtype in ("float32", "bfloat16"):
                 add(f"eigenbasis, budget {budget} B ({frac:g} x default), {dtype}", ekfac(sketch),
@@ -148,6 +151,7 @@ def main() -> None:
     parser.add_argument("--sketch", type=int, default=128, help="EK-FAC projection_dim of the eigenbasis factors")
     parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     parser.add_argument("--markdown", action="store_true", help="print the saved results as Markdown tables")
+    parser.add_argument("--core", action="store_true", help="only default, exact and the scaled eigenbasis budgets")
     args = parser.parse_args()
     if args.markdown:
         for name in args.configs:
@@ -156,7 +160,7 @@ def main() -> None:
     torch.set_num_threads(2)
     OUT.mkdir(parents=True, exist_ok=True)
     for name in args.configs:
-        result = run(name, Path(args.cache), args.sketch, tuple(args.fractions))
+        result = run(name, Path(args.cache), args.sketch, tuple(args.fractions), args.core)
         (OUT / f"lds-budget-{name}.json").write_text(json.dumps(result, indent=1))
 
 
