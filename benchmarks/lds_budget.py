@@ -30,6 +30,7 @@ import lds  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
 from moe_attrib.discovery import iter_entries  # noqa: E402
+from moe_attrib.eigenbasis import parse_bytes  # noqa: E402
 from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 
 PS = (8, 16, 32, 64, 128)
@@ -37,7 +38,7 @@ FRACTIONS = (1 / 64, 1 / 16, 1 / 4)  # eigenbasis budgets, as fractions of the d
 # eigenbasis budgets scaled from a large model: the same stored columns per weight block as a budget of
 # `bytes` per example on the Qwen3-30B-A3B shape (12,529 weight blocks: `inspect benchmarks/shapes/qwen3-30b-a3b`)
 QWEN3_BLOCKS = 12529
-MATCHED = ((256 * 2**10, "float32"), (256 * 2**10, "bfloat16"), (2**20, "float32"), (2**20, "bfloat16"))
+SCALED = ("256KiB", "1MiB")  # Qwen3-30B-A3B budgets the eigenbasis budgets are scaled from (--scaled)
 OUT = Path(__file__).parent / "results" / "issue32"
 DEFAULT = f"default: projected p={DEFAULT_PROJECTION_DIM}, float32"
 EXACT = "exact rows"
@@ -47,7 +48,9 @@ def bytes_per_example(index) -> int:
     return int(index.gradients.shape[1] * index.gradients.dtype.itemsize)
 
 
-def run(name: str, root: Path, sketch: int, fractions: tuple[float, ...], core: bool = False) -> dict:
+def run(
+    name: str, root: Path, sketch: int, fractions: tuple[float, ...], core: bool = False, scaled: tuple = SCALED
+) -> dict:
     """Every variant of configuration `name` (`core`: only the default, exact rows and the eigenbasis
     budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations)."""
     cached = lds.load_cached(name, root)
@@ -93,7 +96,7 @@ def run(name: str, root: Path, sketch: int, fractions: tuple[float, ...], core: 
                 add(f"eigenbasis, budget {budget} B ({frac:g} x default), {dtype}", ekfac(sketch),
                     ekfac=ekfac(sketch), budget=budget, index_dtype=dtype)  # fmt: skip
         blocks = weight_blocks(model)
-        for qwen3_bytes, dtype in MATCHED:
+        for qwen3_bytes, dtype in ((parse_bytes(b), dt) for b in scaled for dt in ("float32", "bfloat16")):
             budget = qwen3_bytes * blocks // QWEN3_BLOCKS
             label = f"eigenbasis, budget {budget} B (as {qwen3_bytes // 2**10} KiB on Qwen3-30B-A3B), {dtype}"
             add(label, ekfac(sketch), ekfac=ekfac(sketch), budget=budget, index_dtype=dtype)
@@ -152,6 +155,8 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     parser.add_argument("--markdown", action="store_true", help="print the saved results as Markdown tables")
     parser.add_argument("--core", action="store_true", help="only default, exact and the scaled eigenbasis budgets")
+    parser.add_argument("--scaled", nargs="+", default=list(SCALED), help="Qwen3-30B-A3B budgets to scale from")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
     args = parser.parse_args()
     if args.markdown:
         for name in args.configs:
@@ -160,8 +165,8 @@ def main() -> None:
     torch.set_num_threads(2)
     OUT.mkdir(parents=True, exist_ok=True)
     for name in args.configs:
-        result = run(name, Path(args.cache), args.sketch, tuple(args.fractions), args.core)
-        (OUT / f"lds-budget-{name}.json").write_text(json.dumps(result, indent=1))
+        result = run(name, Path(args.cache), args.sketch, tuple(args.fractions), args.core, tuple(args.scaled))
+        (OUT / f"lds-budget-{name}{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
