@@ -15,6 +15,10 @@ in and out) in the same rounds, and its largest difference to an eager step; `--
 only the named rows.
 `--build_graphs` also times `build_index(cuda_graphs=True)` in the build rounds (its rows against the
 eager build's, beside two eager builds' own difference); `--build_tokens` sets the build's token batch.
+`--build_eigen 256KiB` also times, in the same rounds, today's default build (`--expert_blocks separate`,
+p=`--projection_dim`) and an eigenbasis build (`build_index(ekfac=, budget=)`, factors fitted once before
+the rounds with `--eigen_sketch`) of the same model and batches: the eigenbasis build's tokens/s over the
+default build's.
 
     python benchmarks/e2e.py --out benchmarks/results/e2e-h200.json [--parts collect phases build memory48]
 
@@ -311,7 +315,9 @@ def build_once(
     token_batch_size: int,
     recompute: bool = False,
     cuda_graphs: bool = False,
+    **eigen,
 ) -> float:
+    """Seconds of one `build_index` (`eigen`: `ekfac=` and `budget=` for an eigenbasis build)."""
     shutil.rmtree(path, ignore_errors=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -326,6 +332,7 @@ def build_once(
         progress=False,
         recompute=recompute,
         cuda_graphs=cuda_graphs,
+        **eigen,
     )
     torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -345,6 +352,8 @@ def build_part(
     recompute: bool = False,
     graphs: bool = False,
     token_batch: int = 8192,
+    eigen_budget: str | None = None,
+    eigen_sketch: int = 128,
 ) -> dict:
     """`build_index` vs plain steps over the same `token_batch`-token batches, interleaved; projection drawing
     shows in the first round only if it is one-time per process. `graphs`: also `build_index(cuda_graphs=True)`,
@@ -366,6 +375,12 @@ def build_part(
         return time.perf_counter() - start
 
     plain_pass()  # warm-up
+    eigen = {}
+    if eigen_budget:  # factors of the eigenbasis build, fitted once (not timed) on a quarter of the examples
+        factors = ma.fit_ekfac(model, exs[: max(1, examples // 4)], projection_dim=eigen_sketch,
+                               token_batch_size=token_batch, factor_device="cuda", progress=False)  # fmt: skip
+        eigen = {"ekfac": factors, "budget": eigen_budget}
+    separate_s, eigen_s = [], []
     build_s, plain_s, recompute_s, graph_s = [], [], [], []
     graph_path = Path("/tmp/e2e-index-graphs")
     first_rows = None
@@ -379,6 +394,12 @@ def build_part(
             recompute_s.append(build_once(model, exs, path, p, "sum", token_batch, recompute=True))
         if graphs:
             graph_s.append(build_once(model, exs, graph_path, p, "sum", token_batch, cuda_graphs=True))
+        if eigen:
+            separate_s.append(build_once(model, exs, graph_path, p, "separate", token_batch))
+            eigen_s.append(build_once(model, exs, graph_path, None, "separate", token_batch, **eigen))
+    if eigen:
+        eigen_dim = ma.load_index(graph_path).gradients.shape[1]
+        shutil.rmtree(graph_path, ignore_errors=True)
     index = ma.load_index(path)
     row = {
         "row": f"build_index, qwen3 shape, {layers} layers, {examples}x512, {token_batch}-token batches, sum, p={p}",
@@ -404,6 +425,17 @@ def build_part(
         row["graphs_ratio_of_plain_tok_s"] = row["graphs_tok_s"] / row["plain_tok_s"]
         row["graphs_max_rel_diff_to_eager"] = rel(index_rows(graph_path), eager_rows)
         shutil.rmtree(graph_path, ignore_errors=True)
+    if eigen:
+        row["separate_s"], row["eigen_s"], row["eigen_budget"], row["eigen_dim"] = (
+            separate_s,
+            eigen_s,
+            eigen_budget,
+            eigen_dim,
+        )
+        row["separate_tok_s"] = tokens / statistics.median(separate_s[1:] or separate_s)
+        row["eigen_tok_s"] = tokens / statistics.median(eigen_s[1:] or eigen_s)
+        row["eigen_ratio_of_separate_tok_s"] = row["eigen_tok_s"] / row["separate_tok_s"]
+        row["eigen_ratio_of_plain_tok_s"] = row["eigen_tok_s"] / row["plain_tok_s"]
     print(json.dumps(row), flush=True)
     if profile:
         profile_build(model, exs[:32], path, p)
@@ -596,6 +628,8 @@ def main() -> None:
     parser.add_argument("--build_recompute", action="store_true", help="build: also time builds with recompute")
     parser.add_argument("--build_tokens", type=int, default=8192, help="build: tokens per batch (512 per example)")
     parser.add_argument("--build_graphs", action="store_true", help="build: also time builds with cuda_graphs")
+    parser.add_argument("--build_eigen", default=None, metavar="BUDGET", help="build: also time default vs eigenbasis")
+    parser.add_argument("--eigen_sketch", type=int, default=128, help="build: the eigenbasis factors' projection_dim")
     parser.add_argument("--collect_cast", action="store_true", help="collect: also time the cast-matmul variant")
     parser.add_argument("--collect_graph", action="store_true", help="collect: also time GraphedCollector")
     parser.add_argument("--collect_rows", nargs="+", default=None, help="collect: only these rows (by name)")
@@ -641,6 +675,8 @@ def main() -> None:
             args.build_recompute,
             args.build_graphs,
             args.build_tokens,
+            args.build_eigen,
+            args.eigen_sketch,
         )
         save()
     if "coupling" in args.parts:

@@ -24,6 +24,10 @@ GB/s counts stored bytes. The JSON (`--out`) holds every round, the medians and 
     python benchmarks/score_speed.py --gb 20 --out benchmarks/results/score_speed-h200.json
 
 CPU smoke check (no pinning): `python benchmarks/score_speed.py --gb 0.2 --rounds 3`.
+
+`--budget 256KiB` sets the columns to what an eigenbasis index of that budget stores per example
+(float32: budget / 4), the index size whose `score` bytes/s is compared with the pinned baseline's; its
+elementwise preconditioning runs once on the queries (`prepare_queries`), before the streamed product timed here.
 """
 
 from __future__ import annotations
@@ -163,7 +167,12 @@ def main() -> None:
     parser.add_argument("--skip_old", action="store_true", help="leave out the (slow) old path")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=None, help="JSON results file")
+    parser.add_argument("--budget", default=None, help="columns of an eigenbasis index of this budget (e.g. 256KiB)")
     args = parser.parse_args()
+    if args.budget:
+        from moe_attrib.eigenbasis import budget_columns, parse_bytes
+
+        args.dim = budget_columns(parse_bytes(args.budget), "float32")
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
@@ -227,6 +236,7 @@ def main() -> None:
             "cpu_count": os.cpu_count(),
             "rows": rows,
             "dim": args.dim,
+            "budget": args.budget,
             "index_gb": fp32_bytes / 1e9,
             "queries": args.queries,
             "top_k": args.top_k,

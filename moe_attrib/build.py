@@ -22,6 +22,8 @@ from moe_attrib.collector import GradientCollector
 from moe_attrib.data import Example, fingerprint, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist
+from moe_attrib.eigenbasis import DEFAULT_BUDGET, EigenPlan, factors_fingerprint, parse_bytes, plan_eigenbasis
+from moe_attrib.ekfac import EKFAC
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.graphs import AUTO_MIN_BATCHES, GraphedCollector, graphed_shapes
 from moe_attrib.index import DEFAULT_PROJECTION_DIM, FORMAT_VERSION, IndexWriter, column_plan, flatten_rows, part_dir
@@ -88,6 +90,8 @@ def build_index(
     progress: bool = True,
     recompute: bool = False,
     cuda_graphs: bool | None = None,
+    ekfac: EKFAC | None = None,
+    budget: int | str | None = None,
 ) -> Path:
     """Per-example projected gradients of every example, one index row each (row = example index).
 
@@ -112,6 +116,12 @@ def build_index(
     kept per captured shape; padded batches and a shape's first batch run eagerly. The default (None)
     does so where it pays and can run: on CUDA, without recompute or sharding, for shapes of at least
     `AUTO_MIN_BATCHES` batches (fixed-length chunks); `False` never.
+
+    With fitted `ekfac` factors the rows are stored in their eigenbasis (`moe_attrib.eigenbasis`):
+    `budget` bytes per example (an int or a string such as "256KiB"; default `DEFAULT_BUDGET`)
+    allocated over every block by the corrected eigenvalues, the factors' sketch (projection_dim,
+    seed, kind) standing in for `projection_dim`, `seed` and `projection`; the manifest records the
+    allocation and the factors' fingerprint, and `score` preconditions elementwise.
     """
     from moe_attrib.version import __version__
 
@@ -133,7 +143,19 @@ def build_index(
         )
     if not report.targets:
         raise ValueError(f"no module to attribute (filter_modules={filter_modules!r} matched nothing?)")
-    blocks = column_plan(report, projection_dim, expert_blocks, projection)
+    plan = None
+    if ekfac is not None:
+        budget = parse_bytes(DEFAULT_BUDGET if budget is None else budget)
+        check_eigenbasis(ekfac, weights, expert_blocks, optimizer_state)
+        plan = plan_eigenbasis(report, ekfac, budget, index_dtype)
+        projection_dim, seed, projection = ekfac.projection_dim, ekfac.seed, ekfac.projection
+        blocks = plan.blocks
+        if not blocks:
+            raise ValueError(f"a budget of {budget} bytes per example buys no column in {index_dtype}.")
+    elif budget is not None:
+        raise ValueError("budget= allocates eigen-directions of EK-FAC factors: pass ekfac= (build --ekfac DIR).")
+    else:
+        blocks = column_plan(report, projection_dim, expert_blocks, projection)
     batches = token_batches(examples, token_batch_size)
     layers = len(report.experts) if track_moe_experts else 0
     width = max((lay.num_experts for lay in report.experts), default=0) if track_moe_experts else 0
@@ -154,6 +176,8 @@ def build_index(
         "dtype": str(next(model.parameters()).dtype),
         **(extra_settings or {}),
     }
+    if plan is not None:
+        settings["eigenbasis"] = plan.settings(budget, factors_fingerprint(ekfac))
     lengths = np.array([len(ex.input_ids) for ex in examples], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]) if attribute_tokens else None
     num_rows = int(offsets[-1]) if attribute_tokens else len(examples)
@@ -180,11 +204,16 @@ def build_index(
         examples=len(examples),
     )
     # errors here leave no DIR.part
-    collector = make_collector(model, report, projection_dim, seed, optimizer_state, projection, recompute)
+    if plan is not None:
+        collector = GradientCollector(model, report, projector=plan.projector, recompute=recompute)
+    else:
+        collector = make_collector(model, report, projection_dim, seed, optimizer_state, projection, recompute)
     if dist.is_main:
         writer = IndexWriter(
             index, manifest, resume=resume, token_offsets=offsets, overwrite=overwrite, index_dtype=index_dtype, **shape
         )
+        if plan is not None:
+            plan.save(writer.dir)
     dist.barrier()
     if not dist.is_main:
         writer = IndexWriter(index, manifest, create=False, index_dtype=index_dtype, **shape)
@@ -236,7 +265,7 @@ def build_index(
             if not real:  # a sharded model's filler step (see Dist.lockstep)
                 continue
             members = np.asarray(batches[b])
-            grads = flatten_rows(out, report, blocks, expert_blocks, per_token=attribute_tokens)
+            grads = rows_of(out, report, blocks, expert_blocks, attribute_tokens, plan)
             n = len(members)
             finite = torch.isfinite(grads.view(n, -1)).all(dim=1) & torch.isfinite(out.losses)
             if attribute_tokens:
@@ -260,6 +289,28 @@ def build_index(
         final = writer.finish()
     dist.barrier()
     return final
+
+
+def rows_of(out, report, blocks, expert_blocks: str, per_token: bool, plan: EigenPlan | None) -> torch.Tensor:
+    """A batch's float32 rows in the index's column layout: seeded projections' blocks, or an
+    eigenbasis plan's (`EigenPlan.flatten`)."""
+    if plan is not None:
+        return plan.flatten(out, per_token=per_token)
+    return flatten_rows(out, report, blocks, expert_blocks, per_token=per_token)
+
+
+def check_eigenbasis(ekfac: EKFAC, weights: str, expert_blocks: str, optimizer_state: str | None) -> None:
+    """An eigenbasis build that cannot run as asked: a clear error before any work."""
+    if expert_blocks != "separate":
+        raise ValueError("an eigenbasis index keeps every expert's directions apart: use --expert_blocks separate.")
+    if optimizer_state:
+        raise ValueError("--optimizer_state cannot be combined with an eigenbasis index (--ekfac); leave one out.")
+    fitted = ekfac.settings.get("model_fingerprint")
+    if fitted and fitted != weights:
+        raise ValueError(
+            f"the EK-FAC factors were fitted on other model weights ({fitted[:12]} vs {weights[:12]}); fit them "
+            "with the model the index is built from."
+        )
 
 
 def graphs_unavailable(device: torch.device, recompute: bool, sharded: bool) -> str | None:

@@ -11,6 +11,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from moe_attrib.checks import (
@@ -56,7 +57,7 @@ def notes():
 def cmd_inspect(args: argparse.Namespace) -> int:
     from moe_attrib.discovery import discover
 
-    model = load_model(args.model, args.precision)
+    model = inspected_model(args.model, args.precision)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = discover(model, track_moe_experts=args.track_moe_experts)
@@ -75,7 +76,28 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  {lay.name}: {lay.num_experts} experts, {', '.join(lay.projections)} ({', '.join(flags)})")
     if report.routers:
         print("\nrouters: " + ", ".join(report.routers))
+    if report.targets:
+        from moe_attrib.index import DEFAULT_INDEX_DTYPE, DEFAULT_PROJECTION_DIM, INDEX_DTYPES, column_plan
+
+        columns = column_plan(report, DEFAULT_PROJECTION_DIM, "separate")[-1].stop
+        size = np.dtype(INDEX_DTYPES[DEFAULT_INDEX_DTYPE]).itemsize
+        print(f"\ndefault index (p={DEFAULT_PROJECTION_DIM}, {DEFAULT_INDEX_DTYPE}): {columns} columns per example")
+        print(f"index bytes per example: {columns * size}")
     return 0
+
+
+def inspected_model(spec: str, precision: str) -> torch.nn.Module:
+    """The model `inspect` reports on: a directory holding a `config.json` but no weights is built on
+    the meta device (shapes only, nothing allocated), so a model can be planned before it is downloaded."""
+    path = Path(spec)
+    weights = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+    if path.is_dir() and (path / "config.json").exists() and not any(any(path.glob(w)) for w in weights):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=resolve_precision(precision, torch.device("cpu")))
+    return load_model(spec, precision)
 
 
 def load_inputs(args: argparse.Namespace, dist):
@@ -179,7 +201,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         if not args.resume:
             check_index_target(args.index, args.overwrite)
         check_parent_writable(Path(args.index), "--index")
-    except (UsageError, IndexFileError) as err:
+        factors, budget = eigenbasis_args(args)
+    except (UsageError, IndexFileError, ValueError) as err:
         print(f"moe-attrib build: error: {err}", file=sys.stderr)
         return 2
     try:
@@ -215,6 +238,8 @@ def cmd_build(args: argparse.Namespace) -> int:
                 progress=not args.quiet,
                 recompute=args.recompute_layers,
                 cuda_graphs={"on": True, "off": False, "auto": None}[args.cuda_graphs],
+                ekfac=factors,
+                budget=budget,
             )
     except KeyboardInterrupt:
         if part_dir(args.index).exists():
@@ -229,6 +254,34 @@ def cmd_build(args: argparse.Namespace) -> int:
         manifest = json.loads((Path(path) / "manifest.json").read_text())
         print(f"index written to {path} ({manifest['rows']:,} rows for {manifest['examples']:,} examples)")
     return 0
+
+
+def eigenbasis_args(args: argparse.Namespace):
+    """`build --ekfac DIR [--budget SIZE]`: the factors (on the CPU) and the budget in bytes, checked
+    before any work; `(None, None)` for an index of seeded projections."""
+    from moe_attrib.eigenbasis import DEFAULT_BUDGET, parse_bytes
+    from moe_attrib.ekfac import load_ekfac
+    from moe_attrib.index import DEFAULT_PROJECTION_DIM
+
+    if not args.ekfac:
+        if args.budget is not None:
+            raise UsageError("--budget allocates the eigen-directions of EK-FAC factors: give them with --ekfac DIR.")
+        return None, None
+    budget = parse_bytes(args.budget or DEFAULT_BUDGET)
+    if args.expert_blocks != "separate" or args.optimizer_state:
+        raise UsageError("--ekfac (an eigenbasis index) needs --expert_blocks separate and no --optimizer_state.")
+    factors = load_ekfac(args.ekfac)
+    sketch = factors.projection_dim
+    if (
+        args.no_projection
+        or args.projection_dim not in (DEFAULT_PROJECTION_DIM, sketch)
+        or args.seed not in (0, factors.seed)
+    ):
+        raise UsageError(
+            f"--ekfac {args.ekfac}: an eigenbasis index uses the factors' sketch (projection_dim {sketch}, seed "
+            f"{factors.seed}); leave out --projection_dim, --no_projection and --seed."
+        )
+    return factors, budget
 
 
 def index_projection(args: argparse.Namespace):
@@ -378,6 +431,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     from moe_attrib.coupling import check_memory as check_coupling_memory
     from moe_attrib.coupling import fit_coupling
     from moe_attrib.data import DataError, check_context, check_token_ids, context_length, fingerprint, load_examples
+    from moe_attrib.eigenbasis import check_factors
     from moe_attrib.ekfac import load_ekfac
     from moe_attrib.ensemble import info_path, load_matrices, matrix_info
     from moe_attrib.fingerprint import FingerprintError, check_model
@@ -401,6 +455,8 @@ def cmd_score(args: argparse.Namespace) -> int:
         results_format(args.out)
         ekfac_dirs = args.ekfac or []
         check_ekfac_dirs(ekfac_dirs, settings, args.index)
+        if settings.get("eigenbasis") and ekfac_dirs:  # the factors its rows were rotated with, before any work
+            check_factors(settings, load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]), args.index)
         tokenizer = load_tokenizer(args.model, args.tokenizer or settings.get("tokenizer"))
         check_model(settings, None, tokenizer, what=f"index {args.index}")
         train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
@@ -868,6 +924,19 @@ def build_parser() -> argparse.ArgumentParser:
         f"--token_batch_size (host-bound steps). auto (default): on CUDA, for shapes of >= {AUTO_MIN_BATCHES} batches; "
         "on (or the bare flag): every repeated shape, an error where it cannot run; off: never (docs/build.md)",
     )
+    build.add_argument(
+        "--ekfac",
+        default=None,
+        metavar="DIR",
+        help="EK-FAC factors (moe-attrib ekfac --out DIR): store rows in their eigenbasis, columns allocated by "
+        "--budget; the factors' sketch replaces --projection_dim/--seed (docs/build.md)",
+    )
+    build.add_argument(
+        "--budget",
+        default=None,
+        help="bytes per example of an eigenbasis index (--ekfac), e.g. 256KiB or 1MiB (default 1MiB; "
+        "best with --index_dtype bfloat16: docs/build.md)",
+    )
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
     build.add_argument("--overwrite", action="store_true", help="replace an existing index in DIR (only its files)")
     build.set_defaults(func=cmd_build)
@@ -944,7 +1013,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sc.add_argument("--refine_damping", type=float, default=REFINE_DAMPING, help="x the mean eigenvalue of G")
     sc.add_argument("--refine_examples", type=int, default=None, help="training rows the GGN averages over (all)")
-    sc.add_argument("--top_k", type=positive_int, default=10)
     sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")
     sc.add_argument("--text_field", default="text", help="text field of the queries (the index records its own)")
     sc.add_argument("--tokenizer", default=None, help="default: the index's --tokenizer, else the model's")

@@ -40,6 +40,7 @@ INDEX_FILES = (
     "token_offsets.npy",
     "done.npy",
     "owner.json",
+    "eigenbasis.safetensors",  # an eigenbasis index's kept eigenvectors (moe_attrib.eigenbasis)
 )
 OWNER_FILE = "owner.json"  # in DIR.part: the build writing it (pid, host, start time)
 

@@ -11,6 +11,7 @@ import re
 
 import torch
 
+from moe_attrib.eigenbasis import EigenbasisError, check_factors, direction_order
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Block
 from moe_attrib.projection import projection_kind
@@ -29,8 +30,11 @@ def precondition_queries(
 
     Weight blocks are preconditioned with their module's factors (an expert block with its
     expert's slice); a bias block together with its weight where the factors fold it in
-    (`fit_ekfac(fold_bias=True)`), else left as it is.
+    (`fit_ekfac(fold_bias=True)`), else left as it is. An eigenbasis index (`moe_attrib.eigenbasis`)
+    is preconditioned elementwise (`precondition_eigen`).
     """
+    if index_settings.get("eigenbasis"):
+        return precondition_eigen(queries, blocks, ekfac, index_settings)
     projected = index_settings["projection_dim"] is not None
     if ekfac.projection_dim != index_settings["projection_dim"] or (projected and ekfac.seed != index_settings["seed"]):
         raise ScoreError(
@@ -76,6 +80,38 @@ def precondition_queries(
             result, out[:, bias.start : bias.stop] = f.split(result)
         out[:, b.start : b.stop] = result.reshape(grad.shape[0], -1)
     return out.float()
+
+
+def precondition_eigen(queries: torch.Tensor, blocks: list[Block], ekfac: EKFAC, index_settings: dict) -> torch.Tensor:
+    """EK-FAC preconditioning of query rows `[Q, dim]` of an eigenbasis index: each column, one
+    eigen-direction pair (i, j) of one block, divided by `Lambda[i, j] + damping` of that block's
+    factor (the factors the index was built with, `check_factors`; re-damped ones allowed).
+    `blocks`: the index blocks to precondition (others are left as they are)."""
+    try:
+        check_factors(index_settings, ekfac)
+    except EigenbasisError as err:
+        raise ScoreError(str(err)) from err
+    scale = torch.ones(queries.shape[1], dtype=torch.float64)
+    for b in blocks:
+        scale[b.start : b.stop] = eigen_denominators(b, ekfac)
+    return (queries.double() / scale.to(queries.device)).float()
+
+
+def eigen_denominators(block: Block, ekfac: EKFAC) -> torch.Tensor:
+    """`Lambda + damping` of the directions kept in an eigenbasis block, flattened as its columns (float64)."""
+    m = EXPERT_BLOCK.match(block.name)
+    factor, expert = (f"{m['layer']}.{m['proj']}", int(m["i"])) if m else (block.name[: -len(".weight")], None)
+    f = ekfac.factors.get(factor)
+    if f is None:
+        raise ScoreError(
+            f"no EK-FAC factor for the index block {block.name}: score with the factors it was built from."
+        )
+    rows, cols = direction_order(f)
+    lam, damp = f.lam.detach().double().cpu(), f.damping.detach().double().cpu()
+    if expert is not None:
+        rows, cols, lam, damp = rows[expert], cols[expert], lam[expert], damp[expert]
+    kr, kc = block.shape
+    return (lam[rows[:kr]][:, cols[:kc]] + damp).reshape(-1)
 
 
 def check_fitted(what: str, settings: dict, want: dict, refit: str) -> None:

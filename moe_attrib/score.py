@@ -19,9 +19,11 @@ import numpy as np
 import torch
 
 from moe_attrib.balance import Balance, resolve_balance
+from moe_attrib.collector import GradientCollector
 from moe_attrib.coupling import Coupling, resolve_coupling
 from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.discovery import discover
+from moe_attrib.eigenbasis import index_plan
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.fingerprint import check_model, check_settings_match
 from moe_attrib.ihvp import RefinedQueries
@@ -321,7 +323,8 @@ def query_gradients(
     check_model(st, model, what=f"index {index.path}")
     report = discover(model, track_moe_experts=st["track_moe_experts"], filter_modules=st["filter_modules"], warn=False)
     kind = projection_kind(st)
-    blocks = column_plan(report, st["projection_dim"], st["expert_blocks"], kind)
+    plan = index_plan(index.path, st, report)  # None: seeded projections
+    blocks = plan.blocks if plan else column_plan(report, st["projection_dim"], st["expert_blocks"], kind)
     if [(b.name, b.start, b.stop) for b in blocks] != [(b.name, b.start, b.stop) for b in index.blocks]:
         raise ScoreError(
             f"the model's tracked modules do not match the index {index.path} (built from {st.get('model')!r}); "
@@ -333,12 +336,17 @@ def query_gradients(
     counts = np.zeros((len(examples), len(layers), index.expert_counts.shape[2]), np.float32) if layers else None
     from moe_attrib.build import make_collector
 
-    with make_collector(model, report, st["projection_dim"], st["seed"], st.get("optimizer_state"), kind) as collector:
+    if plan is not None:
+        collector = GradientCollector(model, report, projector=plan.projector)
+    else:
+        collector = make_collector(model, report, st["projection_dim"], st["seed"], st.get("optimizer_state"), kind)
+    with collector:
         for positions in token_batches(examples, token_batch_size):
             ids, mask = collate(examples, positions, pad_id)
             labels = labels_for(examples, positions, ids, mask).to(device)
             grads = collector.collect(ids.to(device), mask.to(device), labels, fused_experts=True)
-            out[positions] = torch.from_numpy(flatten_batch(grads, report, blocks, st["expert_blocks"]))
+            rows = plan.flatten(grads).cpu() if plan else flatten_batch(grads, report, blocks, st["expert_blocks"])
+            out[positions] = torch.as_tensor(rows)
             if counts is not None:
                 got = grads.expert_counts.float().cpu().numpy()
                 for j, name in enumerate(grads.expert_layers):

@@ -1,0 +1,230 @@
+"""Eigenbasis index rows against exact per-example gradients rotated by hand, elementwise
+preconditioning against `Factor.precondition`, the budget, and the build/score round trip."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import moe_attrib as ma
+from moe_attrib.build import build_index
+from moe_attrib.data import collate
+from moe_attrib.eigenbasis import allocate, direction_order, factors_fingerprint, parse_bytes, plan_eigenbasis
+from moe_attrib.ekfac import fit_ekfac
+from moe_attrib.index import load_index
+from moe_attrib.precondition import EXPERT_BLOCK, ScoreError, precondition_queries
+from moe_attrib.projection import projection_matrix
+from moe_attrib.score import query_gradients, score
+from moe_attrib.zoo import tiny_model
+from tests.conftest import rel_err
+from tests.test_ekfac import examples
+
+
+def exact_grads(model, exs):
+    ids, mask = collate(exs, list(range(len(exs))))
+    return ma.per_example_gradients(model, ids, mask, projection_dim=None)
+
+
+def factor_of(name):
+    """(factor name, expert or None, parameter stem) of an index block name."""
+    m = EXPERT_BLOCK.match(name)
+    if m:
+        return f"{m['layer']}.{m['proj']}", int(m["i"]), name[: -len(".weight")]
+    return name[: -len(".weight")], None, name[: -len(".weight")]
+
+
+def expected_block(grads, ek, block, sketch=None):
+    """Block rows by hand: the exact gradient (sketched with `projection_matrix` when the factors were
+    fitted sketched), bias folded in, rotated by the expert's full eigenbases, truncated to the block's
+    leading directions in `direction_order`."""
+    factor, expert, stem = factor_of(block.name)
+    f = ek.factors[factor]
+    w = grads[f"{stem}.weight"].double()
+    b = grads.get(f"{stem}.bias")
+    if sketch is not None:
+        p, seed = sketch
+        out_f, in_f = (w.shape[2], w.shape[1]) if f.transposed else (w.shape[1], w.shape[2])
+
+        def side(name, features):
+            if features <= p:
+                return torch.eye(features, dtype=torch.float64)
+            m = projection_matrix(f"{factor}/{name}", p, features, seed, batch=f.experts).double()
+            return m[expert] if expert is not None else m
+
+        po, pi = side("out", out_f), side("in", in_f)
+        w = pi @ w @ po.T if f.transposed else po @ w @ pi.T
+        b = None if b is None else b.double() @ po.T
+    if f.bias:
+        w = f.augment(w, b.double())
+    qr, qc = f.rows_cols
+    rows, cols = direction_order(f)
+    if expert is not None:
+        qr, qc, rows, cols = qr[expert], qc[expert], rows[expert], cols[expert]
+    rotated = qr.T @ w @ qc
+    kr, kc = block.shape
+    return rotated[:, rows[:kr]][:, :, cols[:kc]].reshape(w.shape[0], -1)
+
+
+@pytest.mark.parametrize(
+    "family,sketch",
+    [("qwen3_moe", None), ("gpt_oss", None), ("qwen3_moe", 8)],
+    ids=["qwen3_moe-exact-factors", "gpt_oss-biases", "qwen3_moe-sketched"],
+)
+def test_rows_equal_exact_gradient_rotated_and_truncated(tmp_path, family, sketch):
+    model = tiny_model(family)
+    exs = examples(8)
+    ek = fit_ekfac(model, exs, projection_dim=sketch, token_batch_size=48, progress=False)
+    total = sum(f.lam.numel() for f in ek.factors.values())  # columns of every direction pair
+    path = build_index(model, exs, tmp_path / "ix", ekfac=ek, budget=4 * total // 3, progress=False)
+    index = load_index(path)
+    rows = torch.from_numpy(index.read_rows(slice(None)))
+    grads = exact_grads(model, exs)
+    blocks = index.blocks
+    assert any(EXPERT_BLOCK.match(b.name) for b in blocks)
+    assert len({b.shape for b in blocks}) > 1  # the budget gives blocks different rectangles
+    for b in blocks:
+        want = expected_block(grads, ek, b, None if sketch is None else (sketch, 0))
+        assert rel_err(rows[:, b.start : b.stop], want) < 2e-4, b.name
+    assert index.gradients.shape[1] * 4 <= 4 * total // 3
+    q = query_gradients(model, exs[:3], index)  # queries collected from the index alone
+    assert rel_err(q, rows[:3]) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_elementwise_preconditioning_equals_ekfac_restricted(tmp_path, family):
+    model = tiny_model(family)
+    exs = examples(10)
+    ek = fit_ekfac(model, exs, projection_dim=None, token_batch_size=48, progress=False, damping_scope="expert")
+    total = sum(f.lam.numel() for f in ek.factors.values())
+    index = load_index(build_index(model, exs, tmp_path / "ix", ekfac=ek, budget=total, progress=False))
+    q = torch.from_numpy(index.read_rows(slice(0, 4)))
+    got = precondition_queries(q, index.blocks, ek, index.manifest["settings"])
+    grads = exact_grads(model, exs[:4])
+    for b in index.blocks:
+        factor, expert, stem = factor_of(b.name)
+        f = ek.factors[factor]
+        w = grads[f"{stem}.weight"].double()
+        if f.bias:
+            w = f.augment(w, grads[f"{stem}.bias"].double())
+        qr, qc = f.rows_cols
+        lam, damp = f.lam, f.damping
+        if expert is not None:
+            qr, qc, lam, damp = qr[expert], qc[expert], lam[expert], damp[expert]
+        pre = qr @ ((qr.T @ w @ qc) / (lam + damp)) @ qc.T  # Factor.precondition on one expert's slice
+        if expert is None:
+            assert rel_err(f.precondition(w), pre) < 1e-10
+        rows, cols = direction_order(f)
+        rows, cols = (rows[expert], cols[expert]) if expert is not None else (rows, cols)
+        kr, kc = b.shape
+        want = (qr.T @ pre @ qc)[:, rows[:kr]][:, :, cols[:kc]].reshape(4, -1)
+        assert rel_err(got[:, b.start : b.stop], want) < 2e-4, b.name
+
+
+def test_precondition_refuses_other_factors(tmp_path):
+    model = tiny_model("qwen3_moe")
+    exs = examples(10)
+    ek = fit_ekfac(model, exs, projection_dim=8, token_batch_size=48, progress=False)
+    other = fit_ekfac(model, examples(10, seed=1), projection_dim=8, token_batch_size=48, progress=False)
+    index = load_index(build_index(model, exs, tmp_path / "ix", ekfac=ek, budget="8KiB", progress=False))
+    assert factors_fingerprint(ek) != factors_fingerprint(other)
+    q = torch.from_numpy(index.read_rows(slice(0, 2)))
+    with pytest.raises(ScoreError, match="not the ones"):
+        precondition_queries(q, index.blocks, other, index.manifest["settings"])
+    redamped = ek.with_damping(0.1)  # the same factors with another damping are accepted
+    precondition_queries(q, index.blocks, redamped, index.manifest["settings"])
+    s = score(index, q, ekfac=ek, top_k=3, per_module=True, coupling=None, balance=None)
+    assert np.allclose(s.parts.sum(-1), s.values, rtol=1e-4, atol=1e-6)
+    assert s.rows[:, 0].tolist() == [0, 1]  # an example's own row ranks first under cosine
+
+
+def test_budget_and_allocation():
+    assert parse_bytes("256KiB") == 256 * 1024 and parse_bytes("1MB") == 10**6 and parse_bytes(4096) == 4096
+    with pytest.raises(ValueError, match="budget"):
+        parse_bytes("12 parsecs")
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.sort(torch.rand(r, c, generator=g), descending=True)[0] for r, c in [(5, 7), (3, 3), (8, 2)]]
+    for columns in (1, 2, 10, 30, 200):
+        shapes = allocate(weights, columns)
+        used = sum(kr * kc for kr, kc in shapes)
+        assert used <= columns
+        full = sum(w.numel() for w in weights)
+        assert used == min(columns, full) or used >= columns - 8  # stops only when no move fits
+    # with one block the greedy rectangle is the best of all rectangles of its size reached by growing
+    w = torch.tensor([[9.0, 1.0, 1.0], [5.0, 0.1, 0.1], [4.0, 0.1, 0.1]])
+    assert allocate([w], 3) == [(3, 1)]
+
+
+def test_plan_refuses_unfolded_bias_and_missing_factor():
+    model = tiny_model("gpt_oss")
+    exs = examples(6)
+    report = ma.discover(model, track_moe_experts=True)
+    unfolded = fit_ekfac(model, exs, projection_dim=8, fold_bias=False, token_batch_size=48, progress=False)
+    with pytest.raises(ValueError, match="no_fold_bias"):
+        plan_eigenbasis(report, unfolded, "4KiB")
+    partial = fit_ekfac(model, exs, projection_dim=8, filter_modules="*.experts*", token_batch_size=48, progress=False)
+    with pytest.raises(ValueError, match="no EK-FAC factor"):
+        plan_eigenbasis(report, partial, "4KiB")
+
+
+def test_inspect_plans_from_config_alone(tmp_path, capsys):
+    """`inspect` on a directory with only config.json: the meta-device model's coverage and the default
+    index's bytes per example, equal to the column plan of the real model."""
+    from moe_attrib.cli import main
+    from moe_attrib.index import DEFAULT_PROJECTION_DIM, column_plan
+    from moe_attrib.zoo import tiny_config
+
+    tiny_config("gpt_oss").save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert main(["inspect", str(tmp_path), "--track_moe_experts"]) == 0
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if x.startswith("index bytes per example: ")]
+    report = ma.discover(tiny_model("gpt_oss"), track_moe_experts=True)
+    want = column_plan(report, DEFAULT_PROJECTION_DIM, "separate")[-1].stop * 4
+    assert line == [f"index bytes per example: {want}"]
+
+
+def test_cli_flow_and_refused_factors(tmp_path, capsys):
+    """ekfac -> build --ekfac --budget -> score --ekfac; other factors are refused before any work."""
+    from moe_attrib.cli import main
+    from moe_attrib.zoo import save_tiny
+    from tests.test_build import CORPUS, texts
+
+    model = tmp_path / "model"
+    save_tiny(str(model), "qwen3_moe", texts())
+    common = ["--track_moe_experts", "--quiet", "--precision", "fp32"]
+    fit = ["ekfac", str(model), str(CORPUS), "--projection_dim", "16", *common]
+    assert main([*fit, "--out", str(tmp_path / "f")]) == 0
+    assert main([*fit, "--out", str(tmp_path / "g"), "--damping_scope", "expert", "--empirical_fisher"]) == 0
+    ix = tmp_path / "ix"
+    assert main(["build", str(model), str(CORPUS), "--index", str(ix), "--ekfac", str(tmp_path / "f"),
+                 "--budget", "6KiB", *common]) == 0  # fmt: skip
+    index = load_index(ix)
+    assert 0 < index.gradients.shape[1] * 4 <= 6 * 1024
+    assert index.manifest["settings"]["eigenbasis"]["budget_bytes"] == 6 * 1024
+    out = tmp_path / "s.jsonl"
+    args = ["score", "--index", str(ix), str(model), str(CORPUS), "--out", str(out), "--per_module", "--top_k", "2"]
+    assert main([*args, "--ekfac", str(tmp_path / "f")]) == 0
+    first = [json.loads(line) for line in out.read_text().splitlines()][0]
+    assert first["results"][0]["row"] == 0  # the query is the first training example
+    capsys.readouterr()
+    assert main([*args, "--ekfac", str(tmp_path / "g")]) == 2
+    assert "not the ones" in capsys.readouterr().err
+    assert main(["build", str(model), str(CORPUS), "--index", str(tmp_path / "iy"), "--budget", "1KiB", *common]) == 2
+    assert "--ekfac" in capsys.readouterr().err
+
+
+def test_token_rows_sum_to_example_rows(tmp_path):
+    """`attribute_tokens` on an eigenbasis index: an example's token rows sum to its example row (experts
+    and a folded bias included), and per-token rows keep every expert's blocks."""
+    model = tiny_model("gpt_oss")
+    exs = examples(6)
+    ek = fit_ekfac(model, exs, projection_dim=8, token_batch_size=48, progress=False)
+    rows = load_index(build_index(model, exs, tmp_path / "ex", ekfac=ek, budget="3KiB", progress=False))
+    tokens = load_index(
+        build_index(model, exs, tmp_path / "tok", ekfac=ek, budget="3KiB", attribute_tokens=True, progress=False)
+    )
+    assert [b.name for b in tokens.blocks] == [b.name for b in rows.blocks]
+    o = tokens.token_offsets
+    summed = torch.stack([torch.from_numpy(tokens.read_rows(slice(o[i], o[i + 1]))).sum(0) for i in range(len(exs))])
+    assert rel_err(summed, torch.from_numpy(rows.read_rows(slice(None)))) < 1e-4
