@@ -6,8 +6,8 @@ from moe_attrib.collector import GradientCollector, PerExampleGradients, per_exa
 from moe_attrib.coupling import Coupling, fit_coupling
 from moe_attrib.data import DataError, Example, load_examples
 from moe_attrib.discovery import CoverageReport, discover
-from moe_attrib.ensemble import EnsembleError, RunScores, score_run
 from moe_attrib.ekfac import EKFAC, fit_ekfac, load_ekfac
+from moe_attrib.ensemble import EnsembleError, RunScores, score_run
 from moe_attrib.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
 from moe_attrib.graphs import GraphedCollector
 from moe_attrib.index import Index, IndexFileError, load_index
