@@ -134,6 +134,15 @@ def examples_from_dataset(
     return out
 
 
+def trainer_rows(examples: list[Example]) -> list[dict]:
+    """`Example`s (e.g. from `load_examples`) as a Trainer dataset: `input_ids` and `labels` with the prompt
+    (tokens before `loss_start`) set to -100, for a collator that pads labels with -100
+    (`transformers.DataCollatorForSeq2Seq`); the callback reads the same loss back from its batches."""
+    return [
+        {"input_ids": ex.input_ids, "labels": [-100] * ex.loss_start + ex.input_ids[ex.loss_start :]} for ex in examples
+    ]
+
+
 def write_examples(examples: list[Example], path: Path) -> None:
     """The attributed rows as JSONL that `load_examples` reads back to the same token ids (`input_ids`)."""
     with path.open("w") as f:

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from moe_attrib.ensemble import EnsembleError, plan_run
 from moe_attrib.synthetic import multi_domain_corpus, texts
 from moe_attrib.trainer import AttributionCheckpointer, TrainerAttributionError, examples_from_batch
 from moe_attrib.zoo import tiny_model, train_tokenizer
+from tests.conftest import run_torchrun
 from tests.test_build import ENV
 
 P = 8  # projection dim: small rows, quick tests
@@ -265,3 +267,25 @@ def test_score_run_refuses_what_does_not_belong_together(runs, corpus, tmp_path)
     refuse(tmp_path / "nothing", "no such directory")
     with pytest.raises(EnsembleError, match="no checkpoint-N/attribution/index"):
         plan_run(tmp_path, "x", 1, ekfac=False, unit_normalize=True, modules=None, coupling=None, balance=False)
+
+
+def test_torchrun_two_ranks(corpus, tmp_path):
+    """Under torchrun (2 CPU ranks, gloo, DDP as the Trainer sets it up) each rank collects its share of the
+    batches and rank 0 writes: checkpoint-2's rows equal a one-process build on checkpoint-2's weights, to
+    float32 rounding (separate processes; see tests/test_build.py)."""
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    root, tokenizer, examples = corpus
+    tokenizer.save_pretrained(root)
+    env = {**ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    res = run_torchrun([torchrun, "--nproc_per_node=2", str(Path(__file__).parent / "trainer_driver.py"), str(root),
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    got = ma.load_index(ckpt / "attribution" / "index")
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    ma.build_index(model, examples, tmp_path / "want", projection_dim=P, token_batch_size=64, progress=False)
+    want = ma.load_index(tmp_path / "want")
+    assert got.manifest["settings"]["model_fingerprint"] == want.manifest["settings"]["model_fingerprint"]
+    a, b = np.asarray(got.gradients), np.asarray(want.gradients)
+    assert np.allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    assert ma.load_ekfac(ckpt / "attribution" / "ekfac").settings["examples"] == len(examples)
