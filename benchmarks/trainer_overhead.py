@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -41,8 +42,11 @@ def data(cfg: lds.Config, root: Path):
     return tokenizer, load_examples(str(root / "train.jsonl"), tokenizer)
 
 
-def one_run(cfg: lds.Config, tokenizer, examples, device: str, out: Path, steps: list[int] | None) -> float:
-    """Seconds of `trainer.train()` (with the callback collecting at `steps`, or none)."""
+def one_run(
+    cfg: lds.Config, tokenizer, examples, device: str, out: Path, steps: list[int] | None
+) -> tuple[float, float]:
+    """Wall and process CPU seconds of `trainer.train()` (with the callback collecting at `steps`, or none); the CPU
+    time is what a machine shared with other jobs measures more steadily."""
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
     rows = trainer_rows(examples)
@@ -57,11 +61,11 @@ def one_run(cfg: lds.Config, tokenizer, examples, device: str, out: Path, steps:
                       data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True), callbacks=callbacks)  # fmt: skip
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     trainer.train()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def main() -> None:
@@ -86,12 +90,14 @@ def main() -> None:
             for s in order:
                 t = one_run(cfg, tokenizer, examples, args.device, Path(tmp) / f"run-{r}-{bool(s)}", s)
                 (collected if s else plain).append(t)
-                print(f"repeat {r}: {'callback' if s else 'plain   '} {t:7.2f} s", flush=True)
-    plain_a, coll_a = np.array(plain), np.array(collected)
+                print(
+                    f"repeat {r}: {'callback' if s else 'plain   '} {t[0]:7.2f} s wall, {t[1]:7.2f} s cpu", flush=True
+                )
+    plain_a, coll_a = np.array(plain), np.array(collected)  # [repeats, (wall, cpu)]
     ratios = coll_a / plain_a
     rng = np.random.default_rng(0)
-    boot = [ratios[rng.integers(0, len(ratios), len(ratios))].mean() for _ in range(2000)]
-    lo, hi = np.quantile(boot, [0.025, 0.975])
+    boot = np.array([ratios[rng.integers(0, len(ratios), len(ratios))].mean(0) for _ in range(2000)])
+    lo, hi = np.quantile(boot, [0.025, 0.975], axis=0)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu ({args.threads} threads)"
     result = {
         "config": args.config,
@@ -99,15 +105,21 @@ def main() -> None:
         "examples": len(examples),
         "optimizer_steps": cfg.epochs * per_epoch,
         "collection_steps": steps,
-        "plain_s": plain,
-        "callback_s": collected,
-        "ratio_mean": float(ratios.mean()),
-        "ratio_ci95": [float(lo), float(hi)],
-        "seconds_per_collection": float((coll_a - plain_a).mean() / len(steps)),
+        "plain_wall_s": plain_a[:, 0].tolist(),
+        "callback_wall_s": coll_a[:, 0].tolist(),
+        "plain_cpu_s": plain_a[:, 1].tolist(),
+        "callback_cpu_s": coll_a[:, 1].tolist(),
+        "wall_ratio_mean": float(ratios[:, 0].mean()),
+        "wall_ratio_ci95": [float(lo[0]), float(hi[0])],
+        "cpu_ratio_mean": float(ratios[:, 1].mean()),
+        "cpu_ratio_ci95": [float(lo[1]), float(hi[1])],
+        "wall_seconds_per_collection": float((coll_a - plain_a)[:, 0].mean() / len(steps)),
+        "load_average_1min_at_end": os.getloadavg()[0],
     }
-    print(f"{device_name}: callback / plain wall time {ratios.mean():.3f} [{lo:.3f}, {hi:.3f}] "
-          f"({len(steps)} collections of {len(examples)} rows in {result['optimizer_steps']} steps; "
-          f"{result['seconds_per_collection']:.2f} s per collection)")  # fmt: skip
+    for k, what in enumerate(("wall", "process CPU")):
+        print(f"{device_name}: callback / plain {what} time {ratios[:, k].mean():.3f} [{lo[k]:.3f}, {hi[k]:.3f}]")
+    print(f"({len(steps)} collections of {len(examples)} rows in {result['optimizer_steps']} steps; "
+          f"{result['wall_seconds_per_collection']:.2f} s wall per collection)")  # fmt: skip
     tag = "cpu" if args.device == "cpu" else "gpu"
     (Path(args.results) / f"trainer-overhead-{args.config}-{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
 

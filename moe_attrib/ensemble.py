@@ -304,13 +304,11 @@ def score_run(
     if out is not None:
         Path(out).mkdir(parents=True, exist_ok=True)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    load_model = load_model or default_loader
     with tempfile.TemporaryDirectory(prefix="moe-attrib-run-") as tmp:
         matrices, counts = [], None
         for ckpt in plan:
             settings = ckpt.index.manifest["settings"]
-            model = load_model(ckpt.path) if load_model is not default_loader else default_loader(ckpt.path, settings)
-            model = model.to(dev).eval()
+            model = (load_model(ckpt.path) if load_model else default_loader(ckpt.path, settings)).to(dev).eval()
             q, counts = query_gradients(model, queries, ckpt.index, pad_id=pad_id, with_counts=True)
             del model
             factors = load_ekfac(ckpt.ekfac) if ckpt.ekfac is not None else None

@@ -269,6 +269,7 @@ class AttributionCheckpointer:
         """Write `RUN_DIR/checkpoint-{step}/attribution/` for `model` as it is now (and its weights,
         with `save_model`); the model, its gradients and the RNG states are left as they were."""
         save = self.save_model if save_model is None else save_model
+        model = getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
         dist = current_dist(model)
         ckpt = checkpoint_dir(self.run_dir, step)
         out = attribution_dir(ckpt)

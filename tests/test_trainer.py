@@ -289,3 +289,25 @@ def test_torchrun_two_ranks(corpus, tmp_path):
     a, b = np.asarray(got.gradients), np.asarray(want.gradients)
     assert np.allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
     assert ma.load_ekfac(ckpt / "attribution" / "ekfac").settings["examples"] == len(examples)
+
+
+def test_a_stock_language_modeling_collator(corpus):
+    """transformers' `DataCollatorForLanguageModeling(mlm=False)` (labels = input_ids, padding -100): every token
+    after the first carries loss, as `load_examples` makes plain-text rows; a left-padded batch converts alike."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from moe_attrib.trainer import examples_from_dataset
+
+    _, tokenizer, examples = corpus
+    rows = [{"input_ids": ex.input_ids} for ex in examples]
+    got = examples_from_dataset(rows, DataCollatorForLanguageModeling(tokenizer, mlm=False), tokenizer=tokenizer)
+    assert [(ex.index, ex.input_ids, ex.loss_start) for ex in got] == [
+        (i, r["input_ids"], 0) for i, r in enumerate(rows)
+    ]
+    tokenizer.padding_side = "left"
+    try:
+        batch = DataCollatorForLanguageModeling(tokenizer, mlm=False)(rows[:5])
+    finally:
+        tokenizer.padding_side = "right"
+    assert (batch["attention_mask"][:, 0] == 0).any()
+    assert [ex.input_ids for ex in examples_from_batch(batch, range(5))] == [r["input_ids"] for r in rows[:5]]
