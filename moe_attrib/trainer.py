@@ -270,6 +270,8 @@ class AttributionCheckpointer:
         with `save_model`); the model, its gradients and the RNG states are left as they were."""
         save = self.save_model if save_model is None else save_model
         model = getattr(model, "module", model) if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        if not self.collected:
+            self.check_model(model)
         dist = current_dist(model)
         ckpt = checkpoint_dir(self.run_dir, step)
         out = attribution_dir(ckpt)
