@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--epochs", default="2,4,6,8,10", help="collect at the end of these epochs")
     parser.add_argument("--repeats", type=int, default=3, help="pairs of runs")
+    parser.add_argument("--no_warmup", action="store_true", help="skip the untimed first run (imports, allocator)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument("--results", default=str(lds.ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
@@ -83,7 +84,8 @@ def main() -> None:
         tokenizer, examples = data(cfg, Path(tmp))
         per_epoch = -(-len(examples) // cfg.batch)
         steps = [int(e) * per_epoch for e in args.epochs.split(",")]
-        one_run(cfg, tokenizer, examples, args.device, Path(tmp) / "warmup", None)  # imports, allocator, kernels
+        if not args.no_warmup:
+            one_run(cfg, tokenizer, examples, args.device, Path(tmp) / "warmup", None)  # imports, allocator, kernels
         plain, collected = [], []
         for r in range(args.repeats):
             order = [None, steps] if r % 2 == 0 else [steps, None]
