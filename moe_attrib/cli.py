@@ -457,13 +457,15 @@ def cmd_score_run(args: argparse.Namespace) -> int:
     from moe_attrib.score import ScoreError
 
     try:
-        for flag in ("ekfac", "all_scores", "average_with", "per_module"):
+        for flag in ("ekfac", "all_scores", "average_with", "per_module", "fsdp"):
             if getattr(args, flag):
-                raise UsageError(f"--{flag} does not go with --run, which scores each checkpoint with its own factors.")
+                raise UsageError(f"--{flag} does not go with --run (each checkpoint is scored with its own factors).")
         check_model_spec(args.model)
         check_device(args.device)
         check_out_file(args.out)
         results_format(args.out)
+        if args.report:
+            check_out_file(args.report, "--report")
         tokenizer = load_tokenizer(args.model, args.tokenizer)
         queries = load_examples(args.queries, tokenizer, args.text_field, None, True)
         run = score_run(
@@ -485,6 +487,10 @@ def cmd_score_run(args: argparse.Namespace) -> int:
         print(f"moe-attrib score: error: {err}", file=sys.stderr)
         return 2
     print(f"scores for {len(queries)} queries written to {args.out}")
+    if args.report:
+        from moe_attrib.report import write_report
+
+        print(f"report written to {write_report(records, run.index, args.report)}")
     return 0
 
 

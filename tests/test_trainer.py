@@ -206,7 +206,8 @@ def test_score_run_equals_averaging_all_scores_by_hand(runs, corpus, tmp_path):
             "--all_scores", out, "--out", tmp_path / f"r-{step}.jsonl", "--device", "cpu")  # fmt: skip
         mats.append(np.load(out).astype(np.float64))
     cli("score", "--run", run, run / "checkpoint-6", queries, "--top_k", 5, "--out", tmp_path / "run.jsonl",
-        "--device", "cpu")  # fmt: skip
+        "--device", "cpu", "--report", tmp_path / "run.html")  # fmt: skip
+    assert (tmp_path / "run.html").stat().st_size > 0
     mean = (mats[0] + mats[1]) / 2
     records = [json.loads(r) for r in (tmp_path / "run.jsonl").read_text().splitlines()]
     assert len(records) == mean.shape[0] == 6
