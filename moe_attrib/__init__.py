@@ -7,6 +7,7 @@ from moe_attrib.coupling import Coupling, fit_coupling
 from moe_attrib.data import DataError, Example, load_examples
 from moe_attrib.discovery import CoverageReport, discover
 from moe_attrib.ekfac import EKFAC, fit_ekfac, load_ekfac
+from moe_attrib.ensemble import EnsembleError, RunScores, score_run
 from moe_attrib.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
 from moe_attrib.graphs import GraphedCollector
 from moe_attrib.ihvp import RefinedQueries, RefineError, refine_queries
@@ -20,9 +21,15 @@ from moe_attrib.score import (
     score,
     score_matrix,
 )
+from moe_attrib.trainer import AttributionCallback, AttributionCheckpointer
 from moe_attrib.version import __version__
 
 __all__ = [
+    "AttributionCallback",
+    "AttributionCheckpointer",
+    "EnsembleError",
+    "RunScores",
+    "score_run",
     "GraphedCollector",
     "Balance",
     "Coupling",

@@ -15,11 +15,17 @@ checking that they score the same rows for the same queries the same way, from d
 from __future__ import annotations
 
 import json
+import re
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from moe_attrib.index import Index
+from moe_attrib.index import Index, load_index
+from moe_attrib.score import Scores
 
 FORMAT = "moe-attrib all-scores"
 VERSION = 1
@@ -90,28 +96,40 @@ def _load(path: str | Path) -> tuple[np.ndarray, dict]:
     return matrix, info
 
 
+COMPARED = (
+    ("data_fingerprint", "training data"),
+    ("attribute_tokens", "kind of index (per example / per token)"),
+    ("queries_fingerprint", "queries"),
+    ("shape", "[queries, rows] shape"),
+    ("unit_normalize", "--unit_normalize setting"),
+    ("modules", "--modules"),
+    ("ekfac", "use of --ekfac"),
+    ("coupling", "cross-module coupling (--coupling_*)"),
+    ("output_balance", "output-layer balance (--output_balance)"),
+)
+
+
+def mismatch(info: dict, own: dict) -> str | None:
+    """Why a score matrix described by `info` cannot be averaged with one described by `own` (None: it can):
+    the same training rows (data fingerprint) and queries, scored the same way."""
+    for key, what in COMPARED:
+        if info.get(key, UNRECORDED.get(key)) != own.get(key, UNRECORDED.get(key)):
+            return f"scores another {what} ({key} {info.get(key)!r} vs {own.get(key)!r})"
+    return None
+
+
 def load_matrices(paths: list[str], own: dict) -> list[np.ndarray]:
     """The score matrices of `paths`, checked against this run's own description `own`: the same
     training rows (data fingerprint) and queries, scored the same way, each from another model."""
     out, models = [], {own["model_fingerprint"]: "this run's model"}
     for path in paths:
         matrix, info = _load(path)
-        for key, what in (
-            ("data_fingerprint", "training data"),
-            ("attribute_tokens", "kind of index (per example / per token)"),
-            ("queries_fingerprint", "queries"),
-            ("shape", "[queries, rows] shape"),
-            ("unit_normalize", "--unit_normalize setting"),
-            ("modules", "--modules"),
-            ("ekfac", "use of --ekfac"),
-            ("coupling", "cross-module coupling (--coupling_*)"),
-            ("output_balance", "output-layer balance (--output_balance)"),
-        ):
-            if info.get(key, UNRECORDED.get(key)) != own.get(key):
-                raise EnsembleError(
-                    f"--average_with {path}: scores another {what} than this run ({key} {info.get(key)!r} vs "
-                    f"{own.get(key)!r}); average only matrices of the same data and queries, scored the same way."
-                )
+        why = mismatch(info, own)
+        if why is not None:
+            raise EnsembleError(
+                f"--average_with {path}: {why} than this run; average only matrices of the same data and queries, "
+                "scored the same way."
+            )
         seen = models.get(info.get("model_fingerprint"))
         if seen is not None:
             raise EnsembleError(
@@ -143,3 +161,177 @@ def mean_top_k(matrices: list[np.ndarray], top_k: int, block: int = 1 << 16) -> 
     best_v, best_i = np.take_along_axis(best_v, order, 1), np.take_along_axis(best_i, order, 1)
     best_v[~np.isfinite(best_v)] = np.nan
     return best_v.astype(np.float32), best_i
+
+
+# -- every checkpoint of a training run (`score --run RUN_DIR`, `score_run`) ----------------------
+ATTRIBUTION_INDEX = Path("attribution") / "index"  # what `moe_attrib.trainer` writes into each checkpoint
+ATTRIBUTION_EKFAC = Path("attribution") / "ekfac"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class RunCheckpoint:
+    """One checkpoint of a run, as planned before any scoring: its index, factors and matrix description."""
+
+    path: Path
+    step: int
+    index: Index
+    ekfac: Path | None
+    info: dict
+
+
+@dataclass
+class RunScores:
+    """`score_run`'s result: the top-k of the mean over `checkpoints` (`scores`), each checkpoint's `[Q, rows]`
+    matrix (`matrices`: `.npy` files with their `.json` beside, when `out` was given), the last checkpoint's
+    index (whose rows the scores refer to; every checkpoint has the same rows) and its routing of the queries."""
+
+    scores: Scores
+    checkpoints: list[Path]
+    matrices: list[Path]
+    index: Index
+    query_counts: np.ndarray | None
+
+
+def run_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """`(step, directory)` of every `checkpoint-N` of `run_dir` with collected attribution, by step."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise EnsembleError(f"--run {run_dir}: no such directory.")
+    found = sorted(
+        (int(m[1]), d) for d in root.iterdir() if (m := CHECKPOINT.match(d.name)) and (d / ATTRIBUTION_INDEX).exists()
+    )
+    if not found:
+        raise EnsembleError(
+            f"--run {run_dir}: no checkpoint-N/{ATTRIBUTION_INDEX} inside; train with moe_attrib.AttributionCallback "
+            "(or AttributionCheckpointer) writing into this directory first."
+        )
+    return found
+
+
+def plan_run(
+    run_dir: str | Path,
+    queries_fingerprint: str,
+    queries: int,
+    *,
+    ekfac: bool,
+    unit_normalize: bool,
+    modules: str | None,
+    coupling: dict | None,
+    balance: bool,
+    tokenizer=None,
+) -> list[RunCheckpoint]:
+    """Every checkpoint of the run, checked before any work as `--average_with` checks matrices: complete
+    indexes of one training set, the same kind of index, factors fitted for each index (model, tokenizer,
+    projection), the tokenizer the indexes were made with, and weights that differ between checkpoints."""
+    from moe_attrib.checks import check_ekfac_dirs
+    from moe_attrib.fingerprint import check_model
+
+    plan, models = [], {}
+    for step, path in run_checkpoints(run_dir):
+        index = load_index(path / ATTRIBUTION_INDEX)
+        settings = index.manifest["settings"]
+        factors = path / ATTRIBUTION_EKFAC
+        if ekfac:
+            if not factors.exists():
+                raise EnsembleError(
+                    f"--run {run_dir}: {path.name} has no {ATTRIBUTION_EKFAC} (collected with ekfac=False?); score "
+                    "without EK-FAC (ekfac=False) or collect factors at every checkpoint."
+                )
+            check_ekfac_dirs([str(factors)], settings, str(path / ATTRIBUTION_INDEX))
+        check_model(settings, None, tokenizer, what=f"index {path / ATTRIBUTION_INDEX}")
+        info = matrix_info(index, queries_fingerprint, queries, unit_normalize, modules, ekfac, coupling, balance)
+        if plan:
+            why = mismatch(info, plan[0].info)
+            if why is not None:
+                raise EnsembleError(
+                    f"--run {run_dir}: {path.name} {why} than {plan[0].path.name}; a run's checkpoints must index "
+                    "the same training rows, collected the same way."
+                )
+        seen = models.get(info["model_fingerprint"])
+        if seen is not None:
+            raise EnsembleError(
+                f"--run {run_dir}: {path.name} was collected from the same weights as {seen}; average checkpoints "
+                "that differ, each once (remove the duplicate)."
+            )
+        models[info["model_fingerprint"]] = path.name
+        plan.append(RunCheckpoint(path, step, index, factors if ekfac else None, info))
+    return plan
+
+
+def score_run(
+    run_dir: str | Path,
+    queries: list,
+    *,
+    load_model: Callable[[Path], torch.nn.Module] | None = None,
+    tokenizer=None,
+    top_k: int = 10,
+    out: str | Path | None = None,
+    ekfac: bool = True,
+    unit_normalize: bool | None = None,
+    modules: str | None = None,
+    damping: float | None = None,
+    damping_scope: str | None = None,
+    coupling_gamma: float | None = None,
+    coupling_rank: int | None = None,
+    coupling_sample: int | None = None,
+    output_balance: bool = True,
+    pad_id: int = 0,
+    device: str | torch.device | None = None,
+    progress: bool = False,
+) -> RunScores:
+    """Score `queries` (`Example`s) against every checkpoint of a training run and rank by the mean.
+
+    Each `RUN_DIR/checkpoint-N` (written by `AttributionCallback` / `AttributionCheckpointer`) is scored
+    as `moe-attrib score --all_scores` scores one index: its own weights (`load_model(checkpoint_dir)`,
+    default `AutoModelForCausalLM` in the index's dtype, checked against the index's fingerprint), its own
+    EK-FAC factors (`ekfac=False`: none), the coupling and output-layer balance fitted from its own rows
+    (`coupling_gamma=0` / `output_balance=False` turn them off). Every checkpoint is checked before any
+    scoring (`plan_run`). With `out` (a directory) each matrix is kept as `checkpoint-N.npy` with its
+    `.json` description, which `score --average_with` accepts; without it they are temporary."""
+    from moe_attrib.coupling import DEFAULT_GAMMA, DEFAULT_RANK, DEFAULT_SAMPLE, fit_coupling
+    from moe_attrib.data import fingerprint
+    from moe_attrib.ekfac import load_ekfac
+    from moe_attrib.score import DEFAULT_UNIT_NORMALIZE, query_gradients, score_matrix
+
+    unit = DEFAULT_UNIT_NORMALIZE if unit_normalize is None else unit_normalize
+    gamma = DEFAULT_GAMMA if coupling_gamma is None else coupling_gamma
+    coupled = {"gamma": gamma, "rank": coupling_rank or DEFAULT_RANK, "sample": coupling_sample or DEFAULT_SAMPLE}
+    coupled = coupled if gamma else None
+    balanced = output_balance and modules is None
+    plan = plan_run(run_dir, fingerprint(queries), len(queries), ekfac=ekfac, unit_normalize=unit, modules=modules,
+                    coupling=coupled, balance=balanced, tokenizer=tokenizer)  # fmt: skip
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with tempfile.TemporaryDirectory(prefix="moe-attrib-run-") as tmp:
+        matrices, counts = [], None
+        for ckpt in plan:
+            settings = ckpt.index.manifest["settings"]
+            model = (load_model(ckpt.path) if load_model else default_loader(ckpt.path, settings)).to(dev).eval()
+            q, counts = query_gradients(model, queries, ckpt.index, pad_id=pad_id, with_counts=True)
+            del model
+            factors = load_ekfac(ckpt.ekfac) if ckpt.ekfac is not None else None
+            if factors is not None and (damping is not None or damping_scope is not None):
+                factors = factors.with_damping(
+                    factors.settings.get("damping") if damping is None else damping,
+                    damping_scope or factors.settings.get("damping_scope", "expert"),
+                )
+            opts = dict(ekfac=factors, unit_normalize=unit, modules=modules, device=dev)
+            coupling = fit_coupling(ckpt.index, **opts, **coupled, progress=progress) if coupled else None
+            path = Path(out or tmp) / f"{ckpt.path.name}.npy"
+            score_matrix(ckpt.index, q, **opts, coupling=coupling, balance="auto" if balanced else None, out=path,
+                         progress=progress)  # fmt: skip
+            write_info(path, ckpt.info)
+            matrices.append(path)
+        values, rows = mean_top_k([np.load(p, mmap_mode="r") for p in matrices], top_k)
+    last = plan[-1]
+    kept = matrices if out is not None else []
+    return RunScores(Scores(values, rows), [c.path for c in plan], kept, last.index, counts)
+
+
+def default_loader(checkpoint: Path, settings: dict) -> torch.nn.Module:
+    """A checkpoint's weights as `from_pretrained` loads them, in the dtype its index was built in."""
+    from moe_attrib.loading import load_model
+
+    return load_model(str(checkpoint), getattr(torch, settings["dtype"].removeprefix("torch.")))
