@@ -97,8 +97,8 @@ def mean_over(
     """Each variant's mean LDS over `names` (configurations weighted equally) and the paired bootstrap CI of its
     difference to `base`, resampling queries within each configuration."""
     rng = np.random.default_rng(0)
-    draws = {n: rng.integers(0, len(next(iter(per_config[n].values()))), (reps, len(next(iter(per_config[n].values())))))
-             for n in names}  # fmt: skip
+    sizes = {n: len(per_config[n][base]) for n in names}
+    draws = {n: rng.integers(0, sizes[n], (reps, sizes[n])) for n in names}
     for label in per_config[names[0]]:
         mean = np.mean([per_config[n][label].mean() for n in names])
         diff = np.mean([(per_config[n][label] - per_config[n][base])[draws[n]].mean(1) for n in names], axis=0)
