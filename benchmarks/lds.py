@@ -431,6 +431,25 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
 LATER_FIELDS = ("family", "shared_vocab", "corpus", "plain_text", "vocab", "chunks_per_domain", "words")
 
 
+def core_variants(att: Attribution) -> dict[str, np.ndarray]:
+    """The rows docs/quality.md reports for every configuration (`--core`): the default pipeline, the same
+    untracked, exact rows, each module group alone through the default index and `lm_head` alone on exact rows."""
+    p0, unit0 = DEFAULT_PROJECTION_DIM, DEFAULT_UNIT_NORMALIZE
+    ek = att.ekfac(p0)
+    v = {f"default pipeline (p={p0}, experts tracked, EK-FAC)": att.scores(p0, ekfac=ek, unit=unit0)}
+    v[f"default pipeline, not tracked (p={p0})"] = att.scores(
+        p0, tracked=False, ekfac=att.ekfac(p0, tracked=False), unit=unit0
+    )
+    ek_exact = att.ekfac(None)
+    v["exact rows, otherwise default"] = att.scores(None, ekfac=ek_exact, unit=unit0)
+    for group in GROUPS:
+        v[f"p={p0}, {group} alone, EK-FAC (the default index, --modules)"] = att.scores(
+            p0, ekfac=ek, group=group, unit=unit0
+        )
+    v["exact, lm_head alone, EK-FAC"] = att.scores(None, ekfac=ek_exact, group="lm_head", unit=unit0)
+    return v
+
+
 def cache_dir(name: str, root: Path) -> Path:
     """Where configuration `name` caches its corpus, subset losses and full model (keyed by its settings)."""
     fields = asdict(CONFIGS[name])
@@ -528,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="default: benchmarks/results/lds-<config>.json")
     parser.add_argument("--markdown", default=None, help="print a result file as a Markdown table and exit")
     parser.add_argument("--train_only", action="store_true", help="train and cache the models, then exit")
+    parser.add_argument("--core", action="store_true", help="only the rows reported for every configuration")
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))
@@ -571,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     ps = [int(p) for p in args.projections.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         att = Attribution(model, examples, queries, Path(tmp), args.device, model_dir / "optimizer.pt")
-        scores = variants(att, ps)
+        scores = core_variants(att) if args.core else variants(att, ps)
     rng = np.random.default_rng(0)
     scores["random scores"] = rng.standard_normal(next(iter(scores.values())).shape)
     per_query = {name: per_query_lds(s, subsets, losses) for name, s in scores.items()}
@@ -587,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "config": args.config,
         "settings": asdict(cfg),
+        "core": args.core,  # only core_variants
         "examples": len(examples),
         "queries": len(queries),
         "device": args.device,

@@ -36,11 +36,8 @@ from moe_attrib.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
 RULES = [
     ("1 x mean, model", 1.0, "mean", "model"),
     ("0.01 x mean, model", 0.01, "mean", "model"),
-    ("1e-6 x mean, model", 1e-6, "mean", "model"),
-    ("1 x median, model", 1.0, "median", "model"),
     ("0.1 x mean, module", 0.1, "mean", "module"),
     ("1 x mean, module", 1.0, "mean", "module"),
-    ("10 x mean, module", 10.0, "mean", "module"),
 ]
 
 
