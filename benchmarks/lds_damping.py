@@ -38,21 +38,28 @@ RULES = [
     ("0.01 x mean, model", 0.01, "mean", "model"),
     ("0.1 x mean, module", 0.1, "mean", "module"),
     ("1 x mean, module", 1.0, "mean", "module"),
+    ("N-th largest, model", 1.0, "rank", "model"),
+    ("0.1 x N-th largest, model", 0.1, "rank", "model"),
 ]
 
 
-def reference(values: torch.Tensor, statistic: str) -> float:
+def reference(values: torch.Tensor, statistic: str, examples: int) -> float:
+    """`mean`, `median` or `rank`: the `examples`-th largest value (N training rows span at most N
+    gradient directions; below that eigenvalue the spectrum is not estimated from the data)."""
     values = values.double().flatten()
+    if statistic == "rank":
+        return float(values.sort(descending=True).values[min(examples, values.numel()) - 1])
     return float(values.mean() if statistic == "mean" else values.median())
 
 
 def damped(ek, c: float, statistic: str, scope: str):
     """A copy of `ek` with every factor damped by `c x statistic(Lambda)` over `scope`, zero references
     falling back to the model-wide one (the rule as the benchmark defines it, computed independently)."""
-    whole = reference(torch.cat([f.lam.flatten() for f in ek.factors.values()]), statistic)
+    n = max(f.examples for f in ek.factors.values())
+    whole = reference(torch.cat([f.lam.flatten() for f in ek.factors.values()]), statistic, n)
     out = ma.EKFAC(dict(ek.factors), ek.projection_dim, ek.seed, {**ek.settings})
     for name, f in ek.factors.items():
-        ref = whole if scope == "model" else reference(f.lam, statistic)
+        ref = whole if scope == "model" else reference(f.lam, statistic, n)
         value = c * (ref if ref > 0 else whole)
         out.factors[name] = dataclasses.replace(f, damping=torch.full(f.lam.shape[:-2], value, dtype=f.lam.dtype))
     return out
@@ -67,7 +74,7 @@ def spectrum(ek) -> str:
     )
 
 
-def run(name: str, root: Path) -> dict[str, np.ndarray]:
+def run(name: str, root: Path, only: set[str] | None = None) -> dict[str, np.ndarray]:
     cached = lds.load_cached(name, root)
     model = cached.model()
     p = DEFAULT_PROJECTION_DIM
@@ -79,6 +86,8 @@ def run(name: str, root: Path) -> dict[str, np.ndarray]:
         ek = ma.fit_ekfac(model, cached.examples, projection_dim=p, progress=False)
         print(f"  {name}: {spectrum(ek)}", flush=True)
         for label, c, statistic, scope in RULES:
+            if only and label not in only and label != RULES[0][0]:
+                continue
             scores = ma.score_matrix(
                 index, q, ekfac=damped(ek, c, statistic, scope), unit_normalize=DEFAULT_UNIT_NORMALIZE
             )
@@ -96,7 +105,7 @@ def mean_over(
     rng = np.random.default_rng(0)
     sizes = {n: len(per_config[n][base]) for n in names}
     draws = {n: rng.integers(0, sizes[n], (reps, sizes[n])) for n in names}
-    for label in per_config[names[0]]:
+    for label in [k for k in per_config[names[0]] if all(k in per_config[n] for n in names)]:
         mean = np.mean([per_config[n][label].mean() for n in names])
         diff = np.mean([(per_config[n][label] - per_config[n][base])[draws[n]].mean(1) for n in names], axis=0)
         lo, hi = np.quantile(diff, [0.025, 0.975])
@@ -108,13 +117,17 @@ def main() -> None:
     parser = lds.cached_configs_parser(__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(lds.ROOT / "benchmarks" / "results" / "lds-damping.npz"))
     parser.add_argument("--summary", action="store_true", help="only the means, from --out")
+    parser.add_argument("--rules", default=None, help="comma-separated labels to score (and the first rule)")
     args = parser.parse_args()
+    only = set(args.rules.split(",")) if args.rules else None
     torch.set_num_threads(2)
     path = Path(args.out)
     saved = dict(np.load(path).items()) if path.exists() else {}
     for name in args.configs if not args.summary else []:
-        for label, values in run(name, Path(args.cache)).items():
+        for label, values in run(name, Path(args.cache), only).items():
             saved[f"{name}|{label}"] = values
+        if path.exists():  # merged with what other runs wrote meanwhile
+            saved = {**dict(np.load(path).items()), **{k: v for k, v in saved.items() if k.startswith(f"{name}|")}}
         np.savez(path, **saved)
     per_config: dict[str, dict[str, np.ndarray]] = {}
     for key, values in saved.items():

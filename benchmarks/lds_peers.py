@@ -124,6 +124,8 @@ def main() -> None:
     for name in [] if args.summary else args.configs:
         for label, values in run(name, Path(args.cache)).items():
             saved[f"{name}|{label}"] = values
+        if path.exists():  # merged with what other runs wrote meanwhile
+            saved = {**dict(np.load(path).items()), **{k: v for k, v in saved.items() if k.startswith(f"{name}|")}}
         np.savez(path, **saved)
     per_config: dict[str, dict[str, np.ndarray]] = {}
     for key, values in saved.items():
