@@ -117,9 +117,11 @@ def main() -> None:
     parser = lds.cached_configs_parser(__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(lds.ROOT / "benchmarks" / "results" / "lds-damping.npz"))
     parser.add_argument("--summary", action="store_true", help="only the means, from --out")
-    parser.add_argument("--rules", default=None, help="comma-separated labels to score (and the first rule)")
+    parser.add_argument(
+        "--rules", default=None, help="labels to score, separated by ; (the first rule is always scored)"
+    )
     args = parser.parse_args()
-    only = set(args.rules.split(",")) if args.rules else None
+    only = set(args.rules.split(";")) if args.rules else None
     torch.set_num_threads(2)
     path = Path(args.out)
     saved = dict(np.load(path).items()) if path.exists() else {}
