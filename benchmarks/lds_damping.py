@@ -1,8 +1,7 @@
 """Which EK-FAC damping holds across configurations: LDS of the default pipeline under damping rules.
 
-Every rule damps each factor with `c x reference(Lambda)` (the corrected eigenvalues), the reference
-taken over the whole model or over each module: their mean (the rule before issue 31) or their
-median. The default pipeline is otherwise unchanged (p=32 index, experts tracked, coupling and
+Every rule damps each factor with `c x mean(Lambda)` (the corrected eigenvalues), the mean taken over
+the whole model (the library's `model` scope) or over each module (`module`). The default pipeline is otherwise unchanged (p=32 index, experts tracked, coupling and
 output-layer balance fitted for each rule). Per configuration it prints each rule's LDS with the
 paired bootstrap CI of its difference to the first rule; then the mean over the tuning
 configurations and, apart, over the held-out ones (`lds.HELDOUT`), each with a paired CI
@@ -32,34 +31,22 @@ import moe_attrib as ma  # noqa: E402
 from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 from moe_attrib.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
 
-# (label, multiplier, reference statistic, scope); the first is the default before issue 31
+# (label, multiplier, scope): `multiplier x mean(Lambda)` over the scope; the first is the library default
 RULES = [
-    ("1 x mean, model", 1.0, "mean", "model"),
-    ("0.01 x mean, model", 0.01, "mean", "model"),
-    ("0.1 x mean, module", 0.1, "mean", "module"),
-    ("1 x mean, module", 1.0, "mean", "module"),
-    ("N-th largest, model", 1.0, "rank", "model"),
-    ("0.1 x N-th largest, model", 0.1, "rank", "model"),
+    ("1 x mean, model", 1.0, "model"),
+    ("0.01 x mean, model", 0.01, "model"),
+    ("0.1 x mean, module", 0.1, "module"),
+    ("1 x mean, module", 1.0, "module"),
 ]
 
 
-def reference(values: torch.Tensor, statistic: str, examples: int) -> float:
-    """`mean`, `median` or `rank`: the `examples`-th largest value (N training rows span at most N
-    gradient directions; below that eigenvalue the spectrum is not estimated from the data)."""
-    values = values.double().flatten()
-    if statistic == "rank":
-        return float(values.sort(descending=True).values[min(examples, values.numel()) - 1])
-    return float(values.mean() if statistic == "mean" else values.median())
-
-
-def damped(ek, c: float, statistic: str, scope: str):
-    """A copy of `ek` with every factor damped by `c x statistic(Lambda)` over `scope`, zero references
-    falling back to the model-wide one (the rule as the benchmark defines it, computed independently)."""
-    n = max(f.examples for f in ek.factors.values())
-    whole = reference(torch.cat([f.lam.flatten() for f in ek.factors.values()]), statistic, n)
+def damped(ek, c: float, scope: str):
+    """A copy of `ek` with every factor damped by `c x mean(Lambda)` over `scope` (`model` or `module`), a zero
+    module mean falling back to the model-wide one (`set_damping`'s rule, computed here independently)."""
+    whole = float(torch.cat([f.lam.flatten() for f in ek.factors.values()]).double().mean())
     out = ma.EKFAC(dict(ek.factors), ek.projection_dim, ek.seed, {**ek.settings})
     for name, f in ek.factors.items():
-        ref = whole if scope == "model" else reference(f.lam, statistic, n)
+        ref = whole if scope == "model" else float(f.lam.double().mean())
         value = c * (ref if ref > 0 else whole)
         out.factors[name] = dataclasses.replace(f, damping=torch.full(f.lam.shape[:-2], value, dtype=f.lam.dtype))
     return out
@@ -85,12 +72,10 @@ def run(name: str, root: Path, only: set[str] | None = None) -> dict[str, np.nda
         q = ma.query_gradients(model, cached.queries, index)
         ek = ma.fit_ekfac(model, cached.examples, projection_dim=p, progress=False)
         print(f"  {name}: {spectrum(ek)}", flush=True)
-        for label, c, statistic, scope in RULES:
+        for label, c, scope in RULES:
             if only and label not in only and label != RULES[0][0]:
                 continue
-            scores = ma.score_matrix(
-                index, q, ekfac=damped(ek, c, statistic, scope), unit_normalize=DEFAULT_UNIT_NORMALIZE
-            )
+            scores = ma.score_matrix(index, q, ekfac=damped(ek, c, scope), unit_normalize=DEFAULT_UNIT_NORMALIZE)
             out[label] = lds.per_query_lds(scores, cached.subsets, cached.losses)
             print(f"  {name}: {label} {out[label].mean():.3f}", flush=True)
     lds.print_variants(cached.title, out, cached.domains, RULES[0][0], 24)
