@@ -1,11 +1,12 @@
 """Which EK-FAC damping holds across configurations: LDS of the default pipeline under damping rules.
 
-Every rule damps each factor with `c x mean(Lambda)` (the corrected eigenvalues), the mean taken over
-the whole model (the library's `model` scope) or over each module (`module`). The default pipeline is otherwise unchanged (p=32 index, experts tracked, coupling and
-output-layer balance fitted for each rule). Per configuration it prints each rule's LDS with the
-paired bootstrap CI of its difference to the first rule; then the mean over the tuning
-configurations and, apart, over the held-out ones (`lds.HELDOUT`), each with a paired CI
-(queries resampled within each configuration, configurations weighted equally):
+Every rule damps each factor with `c x mean(Lambda)` (the corrected eigenvalues), the mean taken
+over the whole model (the library's `model` scope) or over each module (`module`). The default
+pipeline is otherwise unchanged (p=32 index, experts tracked, coupling and output-layer balance
+fitted for each rule). Per configuration it prints each rule's LDS with the paired bootstrap CI
+of its difference to the first rule; then the mean over the tuning configurations and, apart,
+over the held-out ones (`lds.HELDOUT`), each with a paired CI (queries resampled within each
+configuration, configurations weighted equally):
 
     python benchmarks/lds_damping.py cpu cpu-gpt_oss cpu-shared cpu-deep text-plain text-pydoc text-deep \\
         heldout-plain heldout-pydoc --cache /work/lds-cache
