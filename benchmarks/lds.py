@@ -34,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # python_docs, when imported from elsewhere
 
 import moe_attrib as ma  # noqa: E402
 from moe_attrib.collector import example_losses  # noqa: E402
@@ -65,6 +66,13 @@ class Config:
     lr: float = 3e-3  # peak; linear decay to 0 over the run
     seed: int = 0
     shared_vocab: bool = False  # every domain answers with the same words (moe_attrib.synthetic)
+    # fields added with the plain-text and real-text configurations; at their defaults they leave a
+    # configuration's cache key as it was (`cache_dir`)
+    corpus: str = "synthetic"  # "synthetic" (moe_attrib.synthetic) or "python_docs" (benchmarks/python_docs.py)
+    plain_text: bool = False  # synthetic training rows as plain text, the loss on every token
+    vocab: int = 512  # the trained word-level tokenizer's size
+    chunks_per_domain: int = 100  # python_docs: training chunks per domain
+    words: int = 40  # python_docs: words per chunk
 
 
 CONFIGS = {
@@ -83,6 +91,30 @@ CONFIGS = {
     # check that rule (chosen on the five above) on another family (Mixtral: no biases, experts in
     # `intermediate_size`), expert count and corpus seed
     "cpu-heldout2": Config(family="mixtral", layers=3, experts=8, shared_vocab=True, seed=2),
+    # plain-text training rows (the loss on every token), prompt/completion queries: where the rows'
+    # gradients are mostly the shared templates, not the answers
+    "text-plain": Config(people=64, arithmetic=84, sequences=128, plain_text=True),
+    # a language model on real text that ships with Python, 3 domains, a 2.6k-word vocabulary
+    "text-pydoc": Config(corpus="python_docs", vocab=4096, models=100),
+    # plain text, 4 layers, 16 experts, one output vocabulary for every domain
+    "text-deep": Config(
+        layers=4, experts=16, people=64, arithmetic=84, sequences=128, plain_text=True, shared_vocab=True, seed=3
+    ),
+    # held out (HELDOUT, benchmarks/heldout.json): frozen before anything of issue 31 was tuned
+    "heldout-plain": Config(
+        family="olmoe",
+        layers=4,
+        experts=16,
+        people=56,
+        arithmetic=84,
+        sequences=112,
+        plain_text=True,
+        seed=4,
+        models=48,  # 96 models: trainable on this 2-core machine in the time left (no GPU could be started)
+    ),
+    "heldout-pydoc": Config(
+        family="mixtral", layers=3, experts=8, corpus="python_docs", vocab=4096, models=100, epochs=10, seed=5
+    ),
     "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
     "gpu": Config(
         hidden=256,
@@ -100,21 +132,44 @@ CONFIGS = {
     ),  # fmt: skip
 }
 
+# configurations frozen before any choice of issue 31 (damping, inverse-Hessian products) was made: reported apart
+HELDOUT = ("heldout-plain", "heldout-pydoc")
+# the configurations every default is chosen over (the mean with a paired CI), and the held-out ones
+TUNING = ("cpu", "cpu-gpt_oss", "cpu-shared", "cpu-deep", "text-plain", "text-pydoc", "text-deep")
+
 
 # -- data and training --------------------------------------------------------------------------
 def corpus(cfg: Config, root: Path):
-    train, queries = multi_domain_corpus(
-        cfg.people,
-        cfg.arithmetic,
-        cfg.sequences,
-        cfg.queries_per_domain,
-        cfg.seed,
-        fact_queries="statement",
-        shared_vocab=cfg.shared_vocab,
-    )
+    """Training and query records and the tokenizer of `cfg`, written to `root` the first time and read back
+    from there after (so that a cache made on one machine, whose Python's text may differ, is reused as is)."""
+    from transformers import AutoTokenizer
+
+    files = [root / "train.jsonl", root / "queries.jsonl", root / "tokenizer"]
+    if all(f.exists() for f in files):
+        train, queries = ([json.loads(line) for line in f.read_text().splitlines()] for f in files[:2])
+        return train, queries, AutoTokenizer.from_pretrained(files[2])
+    if cfg.corpus == "python_docs":
+        from python_docs import python_docs_corpus
+
+        train, queries = python_docs_corpus(cfg.chunks_per_domain, cfg.queries_per_domain, cfg.words, cfg.seed)
+    elif cfg.corpus == "synthetic":
+        train, queries = multi_domain_corpus(
+            cfg.people,
+            cfg.arithmetic,
+            cfg.sequences,
+            cfg.queries_per_domain,
+            cfg.seed,
+            fact_queries="statement",
+            shared_vocab=cfg.shared_vocab,
+        )
+        if cfg.plain_text:
+            train = [{"text": f"{r['prompt']} {r['completion']}", "domain": r["domain"]} for r in train]
+    else:
+        raise ValueError(f"lds.py: unknown corpus {cfg.corpus!r} (synthetic or python_docs)")
     for name, rows in (("train.jsonl", train), ("queries.jsonl", queries)):
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tokenizer = train_tokenizer(texts(train + queries))
+    tokenizer = train_tokenizer([r["text"] if "text" in r else texts([r])[0] for r in train + queries], cfg.vocab)
+    tokenizer.save_pretrained(files[2])
     return train, queries, tokenizer
 
 
@@ -174,38 +229,41 @@ def query_losses(model, queries, device: str) -> np.ndarray:
     return example_losses(out, labels.to(device)).cpu().numpy()
 
 
-def _train_losses(args):
-    cfg, examples, queries, subsets, order_seeds, vocab, device = args
+def _train_one(args) -> None:
+    """Train one subset model and save its query losses to `path` (a finished model is never retrained)."""
+    cfg, examples, queries, subset, order_seed, vocab, device, path = args
     torch.set_num_threads(1)
-    return np.stack(
-        [
-            query_losses(train(cfg, examples, s, o, vocab, device)[0], queries, device)
-            for s, o in zip(subsets, order_seeds, strict=True)
-        ]
-    )
+    losses = query_losses(train(cfg, examples, subset, order_seed, vocab, device)[0], queries, device)
+    np.save(path.with_suffix(".tmp.npy"), losses)
+    path.with_suffix(".tmp.npy").replace(path)
 
 
-def subset_losses(cfg: Config, examples, queries, vocab: int, device: str, workers: int):
-    """Subsets `[M, N]` and query losses `[M, Q]` for two data orders (LDS and test-retest)."""
+def subset_losses(cfg: Config, examples, queries, vocab: int, device: str, workers: int, parts: Path):
+    """Subsets `[M, N]` and query losses `[M, Q]` for two data orders (LDS and test-retest). Each finished
+    model's losses are kept in `parts/`, so an interrupted run continues where it stopped."""
     rng = np.random.default_rng(cfg.seed + 1)
     n = len(examples)
     subsets = np.zeros((cfg.models, n), dtype=bool)
     for m in range(cfg.models):
         subsets[m, rng.choice(n, n // 2, replace=False)] = True
-    jobs = []
-    for order in (0, 1):
-        seeds = [10_000 * (order + 1) + m for m in range(cfg.models)]
-        chunks = np.array_split(np.arange(cfg.models), max(workers, 1))
-        jobs += [(cfg, examples, queries, subsets[c], [seeds[i] for i in c], vocab, device) for c in chunks]
-    if workers > 1:
+    parts.mkdir(parents=True, exist_ok=True)
+    path = {(o, m): parts / f"order{o}-model{m}.npy" for o in (0, 1) for m in range(cfg.models)}
+    jobs = [(cfg, examples, queries, subsets[m], 10_000 * (o + 1) + m, vocab, device, p)
+            for (o, m), p in path.items() if not p.exists()]  # fmt: skip
+    if len(jobs) < len(path):
+        print(f"lds: {len(path) - len(jobs)} of {len(path)} subset models already trained ({parts})")
+    if workers > 1 and jobs:
         import multiprocessing as mp
 
         with mp.get_context("fork" if device == "cpu" else "spawn").Pool(workers) as pool:
-            parts = pool.map(_train_losses, jobs)
+            for done, _ in enumerate(pool.imap_unordered(_train_one, jobs), 1):
+                if done % 50 == 0:
+                    print(f"lds: {done}/{len(jobs)} subset models trained", flush=True)
     else:
-        parts = [_train_losses(j) for j in jobs]
-    half = len(parts) // 2
-    return subsets, np.concatenate(parts[:half]), np.concatenate(parts[half:])
+        for job in jobs:
+            _train_one(job)
+    losses = [np.stack([np.load(path[o, m]) for m in range(cfg.models)]) for o in (0, 1)]
+    return subsets, losses[0], losses[1]
 
 
 # -- LDS ----------------------------------------------------------------------------------------
@@ -378,13 +436,34 @@ def variants(att: Attribution, ps: list[int]) -> dict[str, np.ndarray]:
     return v
 
 
+LATER_FIELDS = ("family", "shared_vocab", "corpus", "plain_text", "vocab", "chunks_per_domain", "words")
+
+
+def core_variants(att: Attribution) -> dict[str, np.ndarray]:
+    """The rows docs/quality.md reports for every configuration (`--core`): the default pipeline, the same
+    untracked, exact rows, each module group alone through the default index and `lm_head` alone on exact rows."""
+    p0, unit0 = DEFAULT_PROJECTION_DIM, DEFAULT_UNIT_NORMALIZE
+    ek = att.ekfac(p0)
+    v = {f"default pipeline (p={p0}, experts tracked, EK-FAC)": att.scores(p0, ekfac=ek, unit=unit0)}
+    v[f"default pipeline, not tracked (p={p0})"] = att.scores(
+        p0, tracked=False, ekfac=att.ekfac(p0, tracked=False), unit=unit0
+    )
+    ek_exact = att.ekfac(None)
+    v["exact rows, otherwise default"] = att.scores(None, ekfac=ek_exact, unit=unit0)
+    for group in GROUPS:
+        v[f"p={p0}, {group} alone, EK-FAC (the default index, --modules)"] = att.scores(
+            p0, ekfac=ek, group=group, unit=unit0
+        )
+    v["exact, lm_head alone, EK-FAC"] = att.scores(None, ekfac=ek_exact, group="lm_head", unit=unit0)
+    return v
+
+
 def cache_dir(name: str, root: Path) -> Path:
     """Where configuration `name` caches its corpus, subset losses and full model (keyed by its settings)."""
     fields = asdict(CONFIGS[name])
-    if fields["family"] == "qwen3_moe":  # caches made before these fields existed stay valid
-        del fields["family"]
-    if not fields["shared_vocab"]:
-        del fields["shared_vocab"]
+    for later in LATER_FIELDS:  # at their defaults, fields added after a cache was made leave its key unchanged
+        if fields[later] == getattr(Config, later):
+            del fields[later]
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     return root / f"lds-{name}-{key}"
 
@@ -476,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="default: benchmarks/results/lds-<config>.json")
     parser.add_argument("--markdown", default=None, help="print a result file as a Markdown table and exit")
     parser.add_argument("--train_only", action="store_true", help="train and cache the models, then exit")
+    parser.add_argument("--core", action="store_true", help="only the rows reported for every configuration")
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))
@@ -497,7 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lds: cached subset losses from {losses_file}")
     else:
         print(f"lds: training {2 * cfg.models} subset models ({len(examples)} examples, {cfg.epochs} epochs) ...")
-        subsets, losses, retest = subset_losses(cfg, examples, queries, vocab, args.device, args.workers)
+        subsets, losses, retest = subset_losses(
+            cfg, examples, queries, vocab, args.device, args.workers, cache / "subset-parts"
+        )
         train_seconds = time.perf_counter() - t0
         np.savez(losses_file, subsets=subsets, losses=losses, retest=retest, seconds=train_seconds)
     model_dir = cache / "full-model"
@@ -517,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     ps = [int(p) for p in args.projections.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         att = Attribution(model, examples, queries, Path(tmp), args.device, model_dir / "optimizer.pt")
-        scores = variants(att, ps)
+        scores = core_variants(att) if args.core else variants(att, ps)
     rng = np.random.default_rng(0)
     scores["random scores"] = rng.standard_normal(next(iter(scores.values())).shape)
     per_query = {name: per_query_lds(s, subsets, losses) for name, s in scores.items()}
@@ -533,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "config": args.config,
         "settings": asdict(cfg),
+        "core": args.core,  # only core_variants
         "examples": len(examples),
         "queries": len(queries),
         "device": args.device,

@@ -328,3 +328,42 @@ def test_modules_off_the_loss_path_get_empty_factors_not_an_error():
     )
     on = ek.factors["model.layers.0.mlp.experts.down_proj"]
     assert float(on.lam.max()) > 0 and bool((ek.factors[off[0]].damping > 0).all())
+
+
+def _hand_factors() -> dict:
+    """Two factors with identity eigenbases and eigenvalues written out: a dense 2 x 2 module
+    (Lambda = [[1, 3], [5, 7]], mean 4) and a fused 2-expert module whose second expert saw nothing
+    (Lambda = all 2, all 0: expert means 2 and 0, module mean 1). Model-wide mean: 24 / 12 = 2."""
+    from moe_attrib.ekfac import Factor
+
+    eye = torch.eye(2, dtype=torch.float64)
+    dense_lam = torch.tensor([[1.0, 3.0], [5.0, 7.0]], dtype=torch.float64)
+    expert_lam = torch.stack([torch.full((2, 2), 2.0), torch.zeros(2, 2)]).double()
+    zero = torch.zeros(2, 2, dtype=torch.float64)
+    return {
+        "dense": Factor("dense", False, None, zero, zero, torch.tensor(4.0), eye, eye, None, None, dense_lam, 4),
+        "experts": Factor("experts", False, 2, zero.expand(2, 2, 2), zero.expand(2, 2, 2), torch.tensor([4.0, 0.0]),
+                          eye.expand(2, 2, 2), eye.expand(2, 2, 2), None, None, expert_lam, 4),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "scope, dense, experts",
+    [("model", 1.0, [1.0, 1.0]), ("module", 2.0, [0.5, 0.5]), ("expert", 2.0, [1.0, 1.0])],
+)
+def test_damping_rule_on_eigenvalues_computed_by_hand(scope, dense, experts):
+    """`damping 0.5 x mean(Lambda)` over each scope, against the means worked out by hand (model 2,
+    dense module 4, expert module 1, experts 2 and 0; a zero mean falls back to the model-wide
+    0.5 x 2 = 1), and the preconditioned gradient of all ones against `1 / (Lambda + damping)`."""
+    from moe_attrib.ekfac import set_damping
+
+    factors = _hand_factors()
+    set_damping(factors, 0.5, scope)
+    assert factors["dense"].damping.tolist() == dense
+    assert factors["experts"].damping.tolist() == experts
+    ones = torch.ones(2, 2, dtype=torch.float64)
+    lam = torch.tensor([[1.0, 3.0], [5.0, 7.0]], dtype=torch.float64)
+    assert torch.allclose(factors["dense"].precondition(ones), 1.0 / (lam + dense))
+    got = factors["experts"].precondition(ones.expand(2, 2, 2))
+    assert torch.allclose(got[0], torch.full((2, 2), 1.0 / (2.0 + experts[0]), dtype=torch.float64))
+    assert torch.allclose(got[1], torch.full((2, 2), 1.0 / experts[1], dtype=torch.float64))

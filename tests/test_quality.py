@@ -203,3 +203,30 @@ def test_shared_vocab_corpus_answers_every_domain_with_the_same_words():
         r["prompt"] for r in plain if r["domain"] == "arithmetic"
     ] + [r["prompt"] for r in plain if r["domain"] == "sequences"]
     assert {w for r in plain if r["domain"] == "facts" for w in r["completion"].split()} & set(DIGITS) == set()
+
+
+def test_lds_corpora_plain_text_and_python_docs(tmp_path):
+    """The plain-text configurations train on `{"text"}` rows (the loss on every token) and query with
+    prompt/completion rows; the Python-docs corpus has no query chunk among its training chunks; the
+    cache keys of the configurations made before these fields existed are unchanged."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import lds
+    from python_docs import python_docs_corpus
+
+    from moe_attrib.data import load_examples
+
+    cfg = lds.CONFIGS["text-plain"]
+    train, queries, tokenizer = lds.corpus(cfg, tmp_path)
+    examples = load_examples(str(tmp_path / "train.jsonl"), tokenizer)
+    asked = load_examples(str(tmp_path / "queries.jsonl"), tokenizer)
+    assert len(examples) == cfg.people * 3 + cfg.arithmetic + cfg.sequences and all(e.loss_start == 0 for e in examples)
+    assert all(e.loss_start > 0 for e in asked) and all("text" in r for r in train)
+    again = lds.corpus(lds.CONFIGS["cpu"], tmp_path)[0]  # cached files are read back, whatever the configuration
+    assert again == train
+    rows, held = python_docs_corpus(20, 4, words=30, seed=1)
+    assert {r["domain"] for r in rows} == {"reference", "text", "system"} and len(rows) == 60 and len(held) == 12
+    assert not {r["text"] for r in held} & {r["text"] for r in rows}
+    assert all(len(r["text"].split()) == 30 for r in rows + held)
+    assert lds.cache_dir("cpu", tmp_path).name == "lds-cpu-d434506e64c1"
+    assert lds.cache_dir("cpu-deep", tmp_path).name == "lds-cpu-deep-6958e7c19fd0"
+    assert set(lds.HELDOUT) <= set(lds.CONFIGS) and not set(lds.HELDOUT) & set(lds.TUNING)
