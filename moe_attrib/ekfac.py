@@ -133,10 +133,16 @@ class EKFAC:
         return out
 
     def save(self, path: str | Path) -> None:
+        """Write `factors.safetensors`, then `ekfac.json`, each under a temporary name renamed into place
+        when complete. An earlier `ekfac.json` is removed first, so an interrupted save leaves no
+        description that could pair old settings with new factors (`--ekfac` then refuses the directory)."""
         from safetensors.torch import save_file
+
+        from moe_attrib.outputs import temporary, write_text
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        (path / "ekfac.json").unlink(missing_ok=True)
         tensors, meta = {}, {}
         for name, f in self.factors.items():
             meta[name] = {"transposed": f.transposed, "experts": f.experts, "examples": f.examples, "bias": f.bias}
@@ -144,9 +150,10 @@ class EKFAC:
                 value = getattr(f, key)
                 if value is not None:
                     tensors[f"{name}::{key}"] = value.contiguous().cpu()
-        save_file(tensors, str(path / "factors.safetensors"))
+        with temporary(path / "factors.safetensors") as tmp:
+            save_file(tensors, str(tmp))
         info = {"projection_dim": self.projection_dim, "seed": self.seed, "settings": self.settings, "factors": meta}
-        (path / "ekfac.json").write_text(json.dumps(info, indent=2))
+        write_text(path / "ekfac.json", json.dumps(info, indent=2))
 
 
 def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> EKFAC:

@@ -367,3 +367,25 @@ def test_damping_rule_on_eigenvalues_computed_by_hand(scope, dense, experts):
     got = factors["experts"].precondition(ones.expand(2, 2, 2))
     assert torch.allclose(got[0], torch.full((2, 2), 1.0 / (2.0 + experts[0]), dtype=torch.float64))
     assert torch.allclose(got[1], torch.full((2, 2), 1.0 / experts[1], dtype=torch.float64))
+
+
+def test_an_interrupted_save_leaves_the_previous_factors_and_no_description(tmp_path, monkeypatch):
+    """A save killed while writing the tensors (simulated: half the bytes, then an error) leaves the previous
+    `factors.safetensors` byte for byte and no `ekfac.json`, so the directory is refused, never mismatched."""
+    import safetensors.torch
+
+    model = tiny_model("qwen3_moe")
+    ek = fit_ekfac(model, examples(4), projection_dim=4, token_batch_size=1000, progress=False, out=tmp_path / "ek")
+    before = (tmp_path / "ek" / "factors.safetensors").read_bytes()
+
+    def killed(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ek.save(tmp_path / "ek")
+    assert (tmp_path / "ek" / "factors.safetensors").read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "ek").iterdir()) == ["factors.safetensors"]
+    with pytest.raises(FileNotFoundError):
+        load_ekfac(tmp_path / "ek")
