@@ -208,8 +208,10 @@ def test_cli_flow_and_refused_factors(tmp_path, capsys):
     first = [json.loads(line) for line in out.read_text().splitlines()][0]
     assert first["results"][0]["row"] == 0  # the query is the first training example
     capsys.readouterr()
-    assert main([*args, "--ekfac", str(tmp_path / "g")]) == 2
+    kept = out.read_bytes()
+    assert main([*args, "--ekfac", str(tmp_path / "g"), "--overwrite"]) == 2
     assert "not the ones" in capsys.readouterr().err
+    assert out.read_bytes() == kept  # refused before any work: the earlier scores stay
     assert main(["build", str(model), str(CORPUS), "--index", str(tmp_path / "iy"), "--budget", "1KiB", *common]) == 2
     assert "--ekfac" in capsys.readouterr().err
 
