@@ -515,6 +515,24 @@ def cached_configs_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def accumulate(path: Path, configs: list[str], run_one) -> dict[str, dict[str, np.ndarray]]:
+    """Per-query LDS of each configuration in `configs` (`run_one(name) -> {label: values}`), saved into
+    the `.npz` at `path` after each one and merged with what other runs saved there meanwhile; returns
+    every configuration's values in the file as `{config: {label: values}}` (what the summaries read)."""
+    saved = dict(np.load(path).items()) if path.exists() else {}
+    for name in configs:
+        for label, values in run_one(name).items():
+            saved[f"{name}|{label}"] = values
+        if path.exists():
+            saved = {**dict(np.load(path).items()), **{k: v for k, v in saved.items() if k.startswith(f"{name}|")}}
+        np.savez(path, **saved)
+    per_config: dict[str, dict[str, np.ndarray]] = {}
+    for key, values in saved.items():
+        name, label = key.split("|")
+        per_config.setdefault(name, {})[label] = values
+    return per_config
+
+
 def print_variants(title: str, variants: dict[str, np.ndarray], domains: list[str], against: str, width: int) -> None:
     """Per-query LDS of each variant: its mean, the paired bootstrap CI of its difference to the first
     variant (`this - {against}`) and its per-domain means (what lds_groups.py and lds_checkpoints.py print)."""

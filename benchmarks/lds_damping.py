@@ -109,18 +109,8 @@ def main() -> None:
     args = parser.parse_args()
     only = set(args.rules.split(";")) if args.rules else None
     torch.set_num_threads(2)
-    path = Path(args.out)
-    saved = dict(np.load(path).items()) if path.exists() else {}
-    for name in args.configs if not args.summary else []:
-        for label, values in run(name, Path(args.cache), only).items():
-            saved[f"{name}|{label}"] = values
-        if path.exists():  # merged with what other runs wrote meanwhile
-            saved = {**dict(np.load(path).items()), **{k: v for k, v in saved.items() if k.startswith(f"{name}|")}}
-        np.savez(path, **saved)
-    per_config: dict[str, dict[str, np.ndarray]] = {}
-    for key, values in saved.items():
-        name, label = key.split("|")
-        per_config.setdefault(name, {})[label] = values
+    configs = [] if args.summary else args.configs
+    per_config = lds.accumulate(Path(args.out), configs, lambda name: run(name, Path(args.cache), only))
     for title, names in (("tuning", lds.TUNING), ("held out", lds.HELDOUT)):
         have = [n for n in names if n in per_config and n in args.configs]
         if have:

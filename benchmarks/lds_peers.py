@@ -119,18 +119,8 @@ def main() -> None:
     parser.add_argument("--summary", action="store_true", help="only the means, from --out")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    path = Path(args.out)
-    saved = dict(np.load(path).items()) if path.exists() else {}
-    for name in [] if args.summary else args.configs:
-        for label, values in run(name, Path(args.cache)).items():
-            saved[f"{name}|{label}"] = values
-        if path.exists():  # merged with what other runs wrote meanwhile
-            saved = {**dict(np.load(path).items()), **{k: v for k, v in saved.items() if k.startswith(f"{name}|")}}
-        np.savez(path, **saved)
-    per_config: dict[str, dict[str, np.ndarray]] = {}
-    for key, values in saved.items():
-        name, label = key.split("|")
-        per_config.setdefault(name, {})[label] = values
+    configs = [] if args.summary else args.configs
+    per_config = lds.accumulate(Path(args.out), configs, lambda name: run(name, Path(args.cache)))
     for title, names in (("tuning", lds.TUNING), ("held out", lds.HELDOUT + ("cpu-heldout", "cpu-heldout2"))):
         have = [n for n in names if n in per_config and n in args.configs]
         if have:
