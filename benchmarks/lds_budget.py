@@ -10,7 +10,7 @@ rows. Eigenbasis rows (`build_index(ekfac=, budget=)`) use factors fitted with t
 default index's bytes, or scaled from the Qwen3-30B-A3B shape (the same columns per weight block as
 256 KiB / 1 MiB there), and 1 MiB itself (more than every direction of these small models):
 
-    nice -n 10 python benchmarks/lds_budget.py cpu cpu-shared --cache /work/lds-cache
+    nice -n 10 python benchmarks/lds_budget.py cpu cpu-shared
 
 Reads the caches `lds.py` left (`lds.load_cached`); writes benchmarks/results/issue32/lds-budget-NAME.json.
 """

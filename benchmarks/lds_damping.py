@@ -9,7 +9,7 @@ over the held-out ones (`lds.HELDOUT`), each with a paired CI (queries resampled
 configuration, configurations weighted equally):
 
     python benchmarks/lds_damping.py cpu cpu-gpt_oss cpu-shared cpu-deep text-plain text-pydoc text-deep \\
-        heldout-plain heldout-pydoc --cache /work/lds-cache
+        heldout-plain heldout-pydoc
 
 Per-query LDS go to `benchmarks/results/lds-damping.npz` (`--out`), read back with `--summary`, so a
 configuration is scored once.

@@ -9,7 +9,7 @@ experts tracked, EK-FAC, its current defaults) is scored beside it and the paire
 the difference is printed per configuration and over the tuning and held-out configurations:
 
     pip install -e .[bench]     # kronfluence==1.0.1
-    python benchmarks/lds_peers.py cpu cpu-shared text-plain ... --cache /work/lds-cache
+    python benchmarks/lds_peers.py cpu cpu-shared text-plain ...
 
 Per-query LDS go to `benchmarks/results/lds-peers.npz` (`--out`; `--summary` reprints from it).
 """

@@ -12,7 +12,7 @@ For each configuration it scores, side by side on the same queries and retrained
 with each variant's paired bootstrap CI against the default, and the refinement's runtime per query.
 It reads the caches `lds.py` left (`python benchmarks/lds.py --config NAME` first):
 
-    nice -n 10 python benchmarks/lds_solver.py cpu cpu-shared --cache /work/lds-cache \
+    nice -n 10 python benchmarks/lds_solver.py cpu cpu-shared \
         --out benchmarks/results/lds_solver.json
 """
 

@@ -11,7 +11,7 @@ scores the queries against every checkpoint with the default pipeline (EK-FAC, c
 The ground truth is the cached subset models' query losses (`lds.py`); the subset models were trained by
 `lds.train`. Run `python benchmarks/lds.py --config NAME` first:
 
-    nice -n 10 python benchmarks/lds_trainer.py cpu cpu-shared --cache /work/lds-cache
+    nice -n 10 python benchmarks/lds_trainer.py cpu cpu-shared
 """
 
 from __future__ import annotations
