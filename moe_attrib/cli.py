@@ -556,7 +556,7 @@ def index_inputs(path: str, settings: dict) -> dict[str, str | None]:
 def check_score_outputs(args: argparse.Namespace, settings: dict) -> None:
     """`score`'s output files: new (or `--overwrite`), distinct, and none of the run's inputs."""
     from moe_attrib.ensemble import info_path
-    from moe_attrib.outputs import check_output
+    from moe_attrib.outputs import check_outputs
 
     inputs = {"the queries": args.queries, **index_inputs(args.index, settings)}
     if Path(args.model).exists():
@@ -571,10 +571,7 @@ def check_score_outputs(args: argparse.Namespace, settings: dict) -> None:
     outs = {"--out": args.out, "--report": args.report, "--all_scores": args.all_scores}
     if args.all_scores:
         outs["--all_scores's description"] = info_path(args.all_scores)
-    for flag, path in outs.items():
-        if path is not None:
-            others = {k: v for k, v in outs.items() if k != flag}
-            check_output(path, flag, overwrite=args.overwrite, inputs=inputs, outputs=others)
+    check_outputs(outs, overwrite=args.overwrite, inputs=inputs)
 
 
 def check_id_field(examples: list, id_field: str, source: str) -> None:
@@ -624,7 +621,7 @@ def cmd_score_run(args: argparse.Namespace) -> int:
     from moe_attrib.ensemble import EnsembleError, score_run
     from moe_attrib.fingerprint import FingerprintError
     from moe_attrib.index import IndexFileError
-    from moe_attrib.outputs import check_output
+    from moe_attrib.outputs import check_outputs
     from moe_attrib.results import ResultsError, results_format, score_records, write_results
     from moe_attrib.score import ScoreError
 
@@ -638,11 +635,7 @@ def cmd_score_run(args: argparse.Namespace) -> int:
         inputs = {"the queries": args.queries, "the run": args.run, "the tokenizer": args.tokenizer}
         if Path(args.model).exists():
             inputs["the model"] = args.model
-        outs = {"--out": args.out, "--report": args.report}
-        for flag, path in outs.items():
-            if path is not None:
-                others = {k: v for k, v in outs.items() if k != flag}
-                check_output(path, flag, overwrite=args.overwrite, inputs=inputs, outputs=others)
+        check_outputs({"--out": args.out, "--report": args.report}, overwrite=args.overwrite, inputs=inputs)
         tokenizer = load_tokenizer(args.model, args.tokenizer)
         queries = load_examples(args.queries, tokenizer, args.text_field, None, True)
         run = score_run(

@@ -77,6 +77,17 @@ def check_output(
     return out
 
 
+def check_outputs(
+    outputs: dict[str, str | Path | None], *, overwrite: bool, inputs: dict[str, str | Path | None] | None = None
+) -> None:
+    """`check_output` for every output of one run (`outputs`: flag -> path, None: not written), each
+    also against the others."""
+    for flag, path in outputs.items():
+        if path is not None:
+            others = {k: v for k, v in outputs.items() if k != flag}
+            check_output(path, flag, overwrite=overwrite, inputs=inputs, outputs=others)
+
+
 def temporary_path(path: str | Path) -> Path:
     """A fresh name in `path`'s directory (so the final `os.replace` is a rename on one filesystem)."""
     path = Path(path)
