@@ -617,45 +617,38 @@ def refine_cli(args: argparse.Namespace, model, index, train: list, queries: lis
 def cmd_score_run(args: argparse.Namespace) -> int:
     """`score --run RUN_DIR MODEL QUERIES`: every checkpoint of a training run (`moe_attrib.trainer`), ranked by
     the mean of their scores (`moe_attrib.ensemble.score_run`); MODEL gives the tokenizer."""
-    from moe_attrib.data import DataError, load_examples
-    from moe_attrib.ensemble import EnsembleError, score_run
-    from moe_attrib.fingerprint import FingerprintError
-    from moe_attrib.index import IndexFileError
+    from moe_attrib.data import load_examples
+    from moe_attrib.ensemble import score_run
     from moe_attrib.outputs import check_outputs
-    from moe_attrib.results import ResultsError, results_format, score_records, write_results
-    from moe_attrib.score import ScoreError
+    from moe_attrib.results import results_format, score_records, write_results
 
-    try:
-        for flag in ("ekfac", "all_scores", "average_with", "per_module", "fsdp"):
-            if getattr(args, flag):
-                raise UsageError(f"--{flag} does not go with --run (each checkpoint is scored with its own factors).")
-        check_model_spec(args.model)
-        check_device(args.device)
-        results_format(args.out)
-        inputs = {"the queries": args.queries, "the run": args.run, "the tokenizer": args.tokenizer}
-        if Path(args.model).exists():
-            inputs["the model"] = args.model
-        check_outputs({"--out": args.out, "--report": args.report}, overwrite=args.overwrite, inputs=inputs)
-        tokenizer = load_tokenizer(args.model, args.tokenizer)
-        queries = load_examples(args.queries, tokenizer, args.text_field, None, True)
-        run = score_run(
-            args.run, queries, tokenizer=tokenizer, top_k=args.top_k, unit_normalize=args.unit_normalize,
-            modules=args.modules, damping=args.damping, damping_scope=args.damping_scope,
-            coupling_gamma=args.coupling_gamma, coupling_rank=args.coupling_rank,
-            coupling_sample=args.coupling_sample, output_balance=args.output_balance,
-            pad_id=getattr(tokenizer, "pad_token_id", None) or 0, device=args.device, progress=True,
-        )  # fmt: skip
-        settings = run.index.manifest["settings"]
-        train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
-        print(f"ranked by the mean of {len(run.checkpoints)} checkpoints: {', '.join(p.name for p in run.checkpoints)}")
-        records = score_records(
-            queries, run.scores, run.index, train, id_field=args.id_field, query_counts=run.query_counts,
-            tokenizer=tokenizer, query_source=args.queries,
-        )  # fmt: skip
-        write_results(records, args.out)
-    except (DataError, EnsembleError, FingerprintError, IndexFileError, ResultsError, ScoreError, UsageError) as err:
-        print(f"moe-attrib score: error: {err}", file=sys.stderr)
-        return 2
+    for flag in ("ekfac", "all_scores", "average_with", "per_module", "fsdp"):
+        if getattr(args, flag):
+            raise UsageError(f"--{flag} does not go with --run (each checkpoint is scored with its own factors).")
+    check_model_spec(args.model)
+    check_device(args.device)
+    results_format(args.out)
+    inputs = {"the queries": args.queries, "the run": args.run, "the tokenizer": args.tokenizer}
+    if Path(args.model).exists():
+        inputs["the model"] = args.model
+    check_outputs({"--out": args.out, "--report": args.report}, overwrite=args.overwrite, inputs=inputs)
+    tokenizer = load_tokenizer(args.model, args.tokenizer)
+    queries = load_examples(args.queries, tokenizer, args.text_field, None, True)
+    run = score_run(
+        args.run, queries, tokenizer=tokenizer, top_k=args.top_k, unit_normalize=args.unit_normalize,
+        modules=args.modules, damping=args.damping, damping_scope=args.damping_scope,
+        coupling_gamma=args.coupling_gamma, coupling_rank=args.coupling_rank,
+        coupling_sample=args.coupling_sample, output_balance=args.output_balance,
+        pad_id=getattr(tokenizer, "pad_token_id", None) or 0, device=args.device, progress=True,
+    )  # fmt: skip
+    settings = run.index.manifest["settings"]
+    train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
+    print(f"ranked by the mean of {len(run.checkpoints)} checkpoints: {', '.join(p.name for p in run.checkpoints)}")
+    records = score_records(
+        queries, run.scores, run.index, train, id_field=args.id_field, query_counts=run.query_counts,
+        tokenizer=tokenizer, query_source=args.queries,
+    )  # fmt: skip
+    write_results(records, args.out)
     print(f"scores for {len(queries)} queries written to {args.out}")
     if args.report:
         from moe_attrib.report import write_report
