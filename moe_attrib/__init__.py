@@ -83,31 +83,23 @@ __all__ = [
     "track_moe_experts",
 ]
 
-_MODULES = {
-    "moe_attrib.balance": ("Balance", "fit_balance"),
-    "moe_attrib.build": ("build_index",),
-    "moe_attrib.collector": ("GradientCollector", "PerExampleGradients", "per_example_gradients"),
-    "moe_attrib.coupling": ("Coupling", "fit_coupling"),
-    "moe_attrib.data": ("DataError", "Example", "load_examples"),
-    "moe_attrib.discovery": ("CoverageReport", "discover"),
-    "moe_attrib.ekfac": ("EKFAC", "fit_ekfac", "load_ekfac"),
-    "moe_attrib.ensemble": ("EnsembleError", "RunScores", "score_run"),
-    "moe_attrib.experts": ("ExpertLinear", "LayoutError", "expand_moe", "restore_moe", "track_moe_experts"),
-    "moe_attrib.graphs": ("GraphedCollector",),
-    "moe_attrib.ihvp": ("RefinedQueries", "RefineError", "refine_queries"),
-    "moe_attrib.index": ("Index", "IndexFileError", "load_index"),
-    "moe_attrib.score": (
-        "ScoreError",
-        "Scores",
-        "precondition_queries",
-        "prepare_queries",
-        "query_gradients",
-        "score",
-        "score_matrix",
-    ),
-    "moe_attrib.trainer": ("AttributionCallback", "AttributionCheckpointer"),
+_MODULES = {  # module: the public names it gives
+    "moe_attrib.balance": "Balance fit_balance",
+    "moe_attrib.build": "build_index",
+    "moe_attrib.collector": "GradientCollector PerExampleGradients per_example_gradients",
+    "moe_attrib.coupling": "Coupling fit_coupling",
+    "moe_attrib.data": "DataError Example load_examples",
+    "moe_attrib.discovery": "CoverageReport discover",
+    "moe_attrib.ekfac": "EKFAC fit_ekfac load_ekfac",
+    "moe_attrib.ensemble": "EnsembleError RunScores score_run",
+    "moe_attrib.experts": "ExpertLinear LayoutError expand_moe restore_moe track_moe_experts",
+    "moe_attrib.graphs": "GraphedCollector",
+    "moe_attrib.ihvp": "RefinedQueries RefineError refine_queries",
+    "moe_attrib.index": "Index IndexFileError load_index",
+    "moe_attrib.score": "ScoreError Scores precondition_queries prepare_queries query_gradients score score_matrix",
+    "moe_attrib.trainer": "AttributionCallback AttributionCheckpointer",
 }
-_HOME = {name: module for module, names in _MODULES.items() for name in names}
+_HOME = {name: module for module, names in _MODULES.items() for name in names.split()}
 
 
 def __getattr__(name: str) -> object:

@@ -63,7 +63,7 @@ def test_lazy_names_are_the_type_checking_imports():
     imported = {a.name: n.module for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names}
     assert set(imported) | {"__version__"} == set(moe_attrib.__all__)
     table = next(n.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "_MODULES")
-    assert {name: module for module, names in ast.literal_eval(table).items() for name in names} == imported
+    assert {name: module for module, names in ast.literal_eval(table).items() for name in names.split()} == imported
     for name, module in imported.items():
         assert getattr(moe_attrib, name) is getattr(importlib.import_module(module), name), name
 
