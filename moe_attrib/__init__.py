@@ -116,6 +116,7 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
+    """The names loaded so far and every public name (loaded or not)."""
     return sorted({*globals(), *__all__})
 
 
