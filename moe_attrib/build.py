@@ -24,6 +24,7 @@ from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist
 from moe_attrib.eigenbasis import DEFAULT_BUDGET, EigenPlan, factors_fingerprint, parse_bytes, plan_eigenbasis
 from moe_attrib.ekfac import EKFAC
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.graphs import AUTO_MIN_BATCHES, GraphedCollector, graphed_shapes
 from moe_attrib.index import DEFAULT_PROJECTION_DIM, FORMAT_VERSION, IndexWriter, column_plan, flatten_rows, part_dir
@@ -32,7 +33,7 @@ from moe_attrib.projection import PROJECTION, check_kind
 from moe_attrib.sharding import is_sharded
 
 
-class NonFiniteGradientError(ValueError):
+class NonFiniteGradientError(MoeAttribError, ValueError):
     """An example whose loss or gradient is NaN/inf: it would poison every score it touches."""
 
 

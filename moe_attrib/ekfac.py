@@ -34,6 +34,7 @@ from moe_attrib.collector import GradientCollector
 from moe_attrib.data import Example, token_batches
 from moe_attrib.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.distributed import Dist
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.index import DEFAULT_PROJECTION_DIM
 from moe_attrib.layouts import Kernels
@@ -47,7 +48,7 @@ DAMPING_SCOPES = ("expert", "module", "model")
 DEFAULT_FOLD_BIAS = True  # bias preconditioned with its weight (docs/quality.md)
 
 
-class FactorMemoryError(MemoryError):
+class FactorMemoryError(MoeAttribError, MemoryError):
     """The factors of the requested modules do not fit the memory budget."""
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.index import Index, load_index
 from moe_attrib.score import Scores
 
@@ -31,7 +32,7 @@ FORMAT = "moe-attrib all-scores"
 VERSION = 1
 
 
-class EnsembleError(ValueError):
+class EnsembleError(MoeAttribError, ValueError):
     """Score matrices that cannot be averaged (other data, other queries, the same model twice)."""
 
 
