@@ -1,70 +1,39 @@
 """Build a gradient index over a dataset: batches -> collector -> on-disk rows (resumable, data parallel).
 
-The batch loop is a pipeline (`moe_attrib.pipeline`): the next batches' inputs are prepared in a
-background thread, each batch's rows, losses, counts and finiteness flags are formed on the device
-and copied to pinned host memory asynchronously, and a writer thread stores finished batches, so
-the device computes the next batch meanwhile. The only host sync per batch is the collector's.
+The batches run through the collection loop (`moe_attrib.loop`: inputs prepared in a background
+thread, CUDA graphs where they pay); each batch's rows, losses, counts and finiteness flags are formed
+on the device and copied to pinned host memory asynchronously (`moe_attrib.pipeline`), and a writer
+thread stores finished batches, so the device computes the next batch meanwhile. The only host sync
+per batch is the collector's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from moe_attrib.collector import GradientCollector
+from moe_attrib.collector import GradientCollector, make_collector
 from moe_attrib.data import Example, fingerprint, token_batches
 from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist
-from moe_attrib.eigenbasis import DEFAULT_BUDGET, EigenPlan, factors_fingerprint, parse_bytes, plan_eigenbasis
+from moe_attrib.eigenbasis import DEFAULT_BUDGET, factors_fingerprint, parse_bytes, plan_eigenbasis
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.graphs import AUTO_MIN_BATCHES, GraphedCollector, graphed_shapes
-from moe_attrib.index import DEFAULT_PROJECTION_DIM, FORMAT_VERSION, IndexWriter, column_plan, flatten_rows, part_dir
-from moe_attrib.pipeline import BackgroundWriter, HostCopy, batch_inputs, prefetch, to_device
+from moe_attrib.graphs import AUTO_MIN_BATCHES, check_graphable, graphs_unavailable
+from moe_attrib.index import DEFAULT_PROJECTION_DIM, FORMAT_VERSION, IndexWriter, column_plan, part_dir
+from moe_attrib.loop import CollectionLoop, Progress, Step, rows_of
+from moe_attrib.pipeline import BackgroundWriter, HostCopy
 from moe_attrib.projection import PROJECTION, check_kind
 from moe_attrib.sharding import is_sharded
 
 
 class NonFiniteGradientError(MoeAttribError, ValueError):
     """An example whose loss or gradient is NaN/inf: it would poison every score it touches."""
-
-
-def make_collector(
-    model: nn.Module,
-    report,
-    projection_dim: int,
-    seed: int,
-    optimizer_state: str | None,
-    projection: str = PROJECTION,
-    recompute: bool = False,
-):
-    """The collector an index is built with: seeded projections of kind `projection`, optimizer-normalised if
-    asked; `recompute` runs each decoder layer's forward again in the backward (`moe_attrib.recompute`)."""
-    if not optimizer_state:
-        return GradientCollector(
-            model, report, projection_dim=projection_dim, seed=seed, projection=projection, recompute=recompute
-        )
-    from moe_attrib.normalizers import Normalizer, load_optimizer_state
-
-    normalizer = Normalizer(model, report, load_optimizer_state(optimizer_state, model))
-    projector = normalizer.projector(projection_dim, seed, projection)
-    return GradientCollector(
-        model,
-        report,
-        projection_dim=projection_dim,
-        seed=seed,
-        projector=projector,
-        projection=projection,
-        recompute=recompute,
-    )
 
 
 def build_index(
@@ -219,20 +188,7 @@ def build_index(
     if not dist.is_main:
         writer = IndexWriter(index, manifest, create=False, index_dtype=index_dtype, **shape)
 
-    mine = [b for b in range(len(batches)) if b % dist.world == dist.rank and not writer.is_done(b)]
-    tokens = sum(len(examples[i].input_ids) for b in mine for i in batches[b])
-    shapes = (
-        graphed_shapes([[int(lengths[i]) for i in batches[b]] for b in mine], graph_min_batches)
-        if graph_min_batches
-        else set()
-    )
-    bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc=f"build rank {dist.rank}", disable=not progress)
-    start = time.perf_counter()
-    pin = dist.device.type == "cuda"
-
-    def prepare(step: tuple[int, bool]):
-        b, real = step
-        return b, real, batch_inputs(examples, batches[b], pad_id, pin)
+    loop = CollectionLoop(examples, batches, dist, pad_id=pad_id, done=writer.is_done)
 
     def store(b: int, members: np.ndarray, rows: np.ndarray, copy: HostCopy, counts_shape: tuple) -> None:
         grads, meta = copy.numpy()  # waits for this batch's device-to-host copy (writer thread)
@@ -240,64 +196,41 @@ def build_index(
         check_finite(meta[n : 2 * n] > 0, [examples[i].index for i in members], index)
         writer.write(b, members, rows, grads, meta[:n], meta[2 * n :].reshape(counts_shape))
 
-    with (
-        collector,
-        BackgroundWriter() as background,
-        contextlib.closing(prefetch(dist.lockstep(mine, filler=0), prepare)) as ready,
-    ):
-        graphed = None
-        if shapes:  # batches come longest first, so a shape left behind does not come back: keep two graphs
-            graphed = GraphedCollector(
-                collector, capture_after=1, max_graphs=2, per_token=attribute_tokens, expert_blocks=expert_blocks
-            )
-        for b, real, host in ready:
-            ids, mask, labels = to_device(host, dist.device)
-            if graphed is not None and tuple(ids.shape) in shapes and bool(host[1].all()):  # unpadded: no mask
-                out = graphed.collect(ids, labels)
-            else:
-                out = collector.collect(
-                    ids,
-                    mask,
-                    labels,
-                    fused_experts=True,
-                    per_token=attribute_tokens,
-                    expert_blocks=expert_blocks,
-                )
-            if not real:  # a sharded model's filler step (see Dist.lockstep)
-                continue
-            members = np.asarray(batches[b])
-            grads = rows_of(out, report, blocks, expert_blocks, attribute_tokens, plan)
-            n = len(members)
-            finite = torch.isfinite(grads.view(n, -1)).all(dim=1) & torch.isfinite(out.losses)
-            if attribute_tokens:
-                width_s = grads.shape[1]
-                take = np.concatenate([k * width_s + np.arange(lengths[i]) for k, i in enumerate(members)])
-                grads = grads.view(-1, grads.shape[-1]).index_select(0, torch.from_numpy(take).to(grads.device))
-                rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members])
-            else:
-                rows = members
-            counts = out.expert_counts if layers else out.losses.new_zeros(n, 0, 0)
-            meta = torch.cat([out.losses.float(), finite.float(), counts.float().reshape(-1)])
-            copy = HostCopy([grads, meta])  # overlaps the next batch's forward
-            background.submit(lambda b=b, m=members, r=rows, c=copy, s=tuple(counts.shape): store(b, m, r, c, s))
-            del out, grads, meta, finite, counts
-            bar.update(int(host[1].sum()))
-            bar.set_postfix(tok_s=f"{bar.n / max(time.perf_counter() - start, 1e-9):,.0f}")
-    bar.close()
+    def write(step: Step, out) -> None:
+        """Form a batch's rows and flags on the device, start their copy to the host, queue the write."""
+        members = np.asarray(step.positions)
+        grads = rows_of(out, report, blocks, expert_blocks, attribute_tokens, plan)
+        n = len(members)
+        finite = torch.isfinite(grads.view(n, -1)).all(dim=1) & torch.isfinite(out.losses)
+        if attribute_tokens:
+            width_s = grads.shape[1]
+            take = np.concatenate([k * width_s + np.arange(lengths[i]) for k, i in enumerate(members)])
+            grads = grads.view(-1, grads.shape[-1]).index_select(0, torch.from_numpy(take).to(grads.device))
+            rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in members])
+        else:
+            rows = members
+        counts = out.expert_counts if layers else out.losses.new_zeros(n, 0, 0)
+        meta = torch.cat([out.losses.float(), finite.float(), counts.float().reshape(-1)])
+        copy = HostCopy([grads, meta])  # overlaps the next batch's forward
+        b, shape = step.number, tuple(counts.shape)
+        background.submit(lambda: store(b, members, rows, copy, shape))
+
+    with collector, BackgroundWriter() as background:
+        loop.run(
+            collector,
+            write,
+            progress=Progress("build", tokens=True) if progress else None,
+            graph_min_batches=graph_min_batches,
+            fused_experts=True,
+            per_token=attribute_tokens,
+            expert_blocks=expert_blocks,
+        )
     dist.barrier()
     final = Path(index)
     if dist.is_main:
         final = writer.finish()
     dist.barrier()
     return final
-
-
-def rows_of(out, report, blocks, expert_blocks: str, per_token: bool, plan: EigenPlan | None) -> torch.Tensor:
-    """A batch's float32 rows in the index's column layout: seeded projections' blocks, or an
-    eigenbasis plan's (`EigenPlan.flatten`)."""
-    if plan is not None:
-        return plan.flatten(out, per_token=per_token)
-    return flatten_rows(out, report, blocks, expert_blocks, per_token=per_token)
 
 
 def check_eigenbasis(ekfac: EKFAC, weights: str, expert_blocks: str, optimizer_state: str | None) -> None:
@@ -312,24 +245,6 @@ def check_eigenbasis(ekfac: EKFAC, weights: str, expert_blocks: str, optimizer_s
             f"the EK-FAC factors were fitted on other model weights ({fitted[:12]} vs {weights[:12]}); fit them "
             "with the model the index is built from."
         )
-
-
-def graphs_unavailable(device: torch.device, recompute: bool, sharded: bool) -> str | None:
-    """Why a build on `device` cannot replay CUDA graphs (a CUDA device, no per-batch Python), or None."""
-    if device.type != "cuda":
-        return f"--cuda_graphs needs a CUDA device; this build runs on {device}."
-    if recompute:
-        return "--cuda_graphs and --recompute_layers cannot be combined: recomputing runs Python per layer."
-    if sharded:
-        return "--cuda_graphs cannot replay a sharded (--fsdp) model's collectives; leave one out."
-    return None
-
-
-def check_graphable(device: torch.device, recompute: bool, sharded: bool) -> None:
-    """`cuda_graphs=True` that cannot run: a clear error before any work."""
-    reason = graphs_unavailable(device, recompute, sharded)
-    if reason is not None:
-        raise ValueError(reason)
 
 
 def check_finite(finite: np.ndarray, example_ids: list[int], index: str | Path) -> None:

@@ -442,6 +442,36 @@ class GradientCollector:
         return torch.zeros(*lead, *shape, device=device)
 
 
+def make_collector(
+    model: nn.Module,
+    report: CoverageReport,
+    projection_dim: int | None,
+    seed: int,
+    optimizer_state: str | None,
+    projection: str = PROJECTION,
+    recompute: bool = False,
+) -> GradientCollector:
+    """The collector an index is built with: seeded projections of kind `projection`, optimizer-normalised if
+    asked; `recompute` runs each decoder layer's forward again in the backward (`moe_attrib.recompute`)."""
+    if not optimizer_state:
+        return GradientCollector(
+            model, report, projection_dim=projection_dim, seed=seed, projection=projection, recompute=recompute
+        )
+    from moe_attrib.normalizers import Normalizer, load_optimizer_state
+
+    normalizer = Normalizer(model, report, load_optimizer_state(optimizer_state, model))
+    projector = normalizer.projector(projection_dim, seed, projection)
+    return GradientCollector(
+        model,
+        report,
+        projection_dim=projection_dim,
+        seed=seed,
+        projector=projector,
+        projection=projection,
+        recompute=recompute,
+    )
+
+
 def per_example_gradients(
     model: nn.Module,
     input_ids: torch.Tensor,

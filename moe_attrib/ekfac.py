@@ -20,14 +20,12 @@ are preconditioned together (`fold_bias=False`: the bias is left unpreconditione
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from moe_attrib.capture import BatchInfo, CaptureRecord
 from moe_attrib.collector import GradientCollector
@@ -38,7 +36,7 @@ from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.index import DEFAULT_PROJECTION_DIM
 from moe_attrib.layouts import Kernels
-from moe_attrib.pipeline import batch_inputs, prefetch, to_device
+from moe_attrib.loop import CollectionLoop, Progress, Step
 from moe_attrib.projection import PROJECTION, Projections, check_kind, projection_kind, side_width
 
 DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md)
@@ -325,11 +323,6 @@ def check_damping(damping: float, scope: str) -> None:
         raise ValueError(f"damping must be >= 0, not {damping}")
 
 
-def _batches(examples: list[Example], token_batch_size: int, dist: Dist) -> list[tuple[int, list[int]]]:
-    """(global batch number, positions) of this rank's batches."""
-    return [(i, b) for i, b in enumerate(token_batches(examples, token_batch_size)) if i % dist.world == dist.rank]
-
-
 def fit_ekfac(
     model: nn.Module,
     examples: list[Example],
@@ -390,27 +383,12 @@ def fit_ekfac(
             torch.zeros(lead, dtype=torch.float64, device=fdev),
             bias=fold,
         )
-    shortest = min(range(len(examples)), key=lambda i: len(examples[i].input_ids))
-    steps = dist.lockstep(_batches(examples, token_batch_size, dist), filler=(0, [shortest]))
-    live = [True]  # False on a sharded model's filler steps (see Dist.lockstep): nothing is accumulated
+    loop = CollectionLoop(examples, token_batches(examples, token_batch_size), dist, pad_id=pad_id)
 
-    pin = dist.device.type == "cuda"
-
-    def prepare(step: tuple[tuple[int, list[int]], bool]):  # labels: the loss of the index and query rows
-        (number, positions), real = step
-        return number, real, batch_inputs(examples, positions, pad_id, pin)
-
-    def run(collector: GradientCollector, desc: str, each) -> None:
-        ready = prefetch(steps, prepare)
-        with contextlib.closing(ready):
-            for number, live[0], host in tqdm(
-                ready, total=len(steps), desc=f"{desc} rank {dist.rank}", disable=not progress
-            ):
-                torch.manual_seed(seed * 1_000_003 + number)  # sampled labels: the same draws in any world size
-                ids, mask, labels = to_device(host, dist.device)
-                batch = collector.collect(ids, mask, labels, fused_experts=True, sample_labels=sampled_labels)
-                if live[0]:
-                    each(batch)
+    def run(collector: GradientCollector, desc: str, consume) -> None:
+        # labels: the loss of the index and query rows, or drawn from the model alike in any world size (reseed)
+        loop.run(collector, consume, progress=Progress(desc) if progress else None, reseed=seed,
+                 fused_experts=True, sample_labels=sampled_labels)  # fmt: skip
 
     sink = _Accumulator(factors)
     with GradientCollector(
@@ -418,12 +396,12 @@ def fit_ekfac(
         report,
         projection_dim=projection_dim,
         seed=seed,
-        row_sink=lambda records, batch: sink(records, batch) if live[0] else None,
+        row_sink=lambda records, batch: sink(records, batch) if loop.step.real else None,  # filler: nothing
         projection=projection,
         recompute=recompute,
     ) as collector:
         gen_state = torch.random.get_rng_state()
-        run(collector, "ekfac covariances", lambda out: None)
+        run(collector, "ekfac covariances", lambda step, out: None)  # the row sink accumulates
     for f in factors.values():
         for t in (f.A, f.G, f.tokens):
             dist.all_reduce_(t)
@@ -454,7 +432,7 @@ def fit_ekfac(
 
     total = torch.zeros((), dtype=torch.float64)
 
-    def add(out) -> None:
+    def add(step: Step, out) -> None:
         nonlocal total
         total += out.losses.shape[0]
         for name, f in factors.items():

@@ -52,6 +52,24 @@ def graphed_shapes(batch_lengths: Iterable[Sequence[int]], min_batches: int) -> 
     return {shape for shape, count in counts.items() if count >= min_batches}
 
 
+def graphs_unavailable(device: torch.device, recompute: bool, sharded: bool) -> str | None:
+    """Why a build on `device` cannot replay CUDA graphs (a CUDA device, no per-batch Python), or None."""
+    if device.type != "cuda":
+        return f"--cuda_graphs needs a CUDA device; this build runs on {device}."
+    if recompute:
+        return "--cuda_graphs and --recompute_layers cannot be combined: recomputing runs Python per layer."
+    if sharded:
+        return "--cuda_graphs cannot replay a sharded (--fsdp) model's collectives; leave one out."
+    return None
+
+
+def check_graphable(device: torch.device, recompute: bool, sharded: bool) -> None:
+    """`cuda_graphs=True` that cannot run: a clear error before any work."""
+    reason = graphs_unavailable(device, recompute, sharded)
+    if reason is not None:
+        raise ValueError(reason)
+
+
 @contextlib.contextmanager
 def unpacked_positions() -> Iterator[None]:
     """While inside, transformers' packed-sequence check (`find_packed_sequence_indices`) says "not

@@ -19,15 +19,17 @@ import numpy as np
 import torch
 
 from moe_attrib.balance import Balance, resolve_balance
-from moe_attrib.collector import GradientCollector
+from moe_attrib.collector import GradientCollector, make_collector
 from moe_attrib.coupling import Coupling, resolve_coupling
-from moe_attrib.data import Example, collate, labels_for, token_batches
+from moe_attrib.data import Example, token_batches
 from moe_attrib.discovery import discover
+from moe_attrib.distributed import Dist
 from moe_attrib.eigenbasis import index_plan
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.fingerprint import check_model, check_settings_match
 from moe_attrib.ihvp import RefinedQueries
-from moe_attrib.index import Block, Index, column_plan, flatten_batch
+from moe_attrib.index import Block, Index, column_plan
+from moe_attrib.loop import CollectionLoop, Step, rows_of
 from moe_attrib.precondition import EXPERT_BLOCK, ScoreError, module_blocks, module_columns, precondition_queries
 from moe_attrib.projection import projection_kind
 from moe_attrib.stream import DEFAULT_BLOCK_BYTES, DEFAULT_READER, ToHost, stream_rows
@@ -334,24 +336,23 @@ def query_gradients(
     out = torch.zeros(len(examples), blocks[-1].stop)
     layers = index.manifest.get("expert_layers") or []
     counts = np.zeros((len(examples), len(layers), index.expert_counts.shape[2]), np.float32) if layers else None
-    from moe_attrib.build import make_collector
-
     if plan is not None:
         collector = GradientCollector(model, report, projector=plan.projector)
     else:
         collector = make_collector(model, report, st["projection_dim"], st["seed"], st.get("optimizer_state"), kind)
+
+    def keep(step: Step, grads) -> None:
+        positions = step.positions
+        out[positions] = rows_of(grads, report, blocks, st["expert_blocks"], False, plan).cpu()
+        if counts is not None:
+            got = grads.expert_counts.float().cpu().numpy()
+            for j, name in enumerate(grads.expert_layers):
+                if name in layers:
+                    counts[positions, layers.index(name), : got.shape[2]] = got[:, j]
+
+    loop = CollectionLoop(examples, token_batches(examples, token_batch_size), Dist(0, 1, device), pad_id=pad_id)
     with collector:
-        for positions in token_batches(examples, token_batch_size):
-            ids, mask = collate(examples, positions, pad_id)
-            labels = labels_for(examples, positions, ids, mask).to(device)
-            grads = collector.collect(ids.to(device), mask.to(device), labels, fused_experts=True)
-            rows = plan.flatten(grads).cpu() if plan else flatten_batch(grads, report, blocks, st["expert_blocks"])
-            out[positions] = torch.as_tensor(rows)
-            if counts is not None:
-                got = grads.expert_counts.float().cpu().numpy()
-                for j, name in enumerate(grads.expert_layers):
-                    if name in layers:
-                        counts[positions, layers.index(name), : got.shape[2]] = got[:, j]
+        loop.run(collector, keep, fused_experts=True)
     bad = [examples[n].index for n in torch.nonzero(~out.isfinite().all(dim=1)).flatten().tolist()]
     if bad:
         raise ScoreError(f"queries {bad[:10]} (row numbers) have a non-finite gradient (NaN/inf); drop or fix them.")
