@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_attrib.build import build_index, make_collector
+from moe_attrib.build import build_index
+from moe_attrib.collector import make_collector
 from moe_attrib.data import Example
 from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist, setup, teardown

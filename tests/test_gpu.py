@@ -335,7 +335,7 @@ def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch, cuda_graph
     (`cuda_graphs=False`)."""
     import numpy as np
 
-    import moe_attrib.build as build
+    import moe_attrib.loop as loop
     from moe_attrib.data import Example
 
     made = []
@@ -345,7 +345,7 @@ def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch, cuda_graph
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(build, "GraphedCollector", Counting)
+    monkeypatch.setattr(loop, "GraphedCollector", Counting)
     gen = torch.Generator().manual_seed(5)
     lengths = [12] * (4 * repeats) + [9, 7, 11, 5]  # `repeats` batches of 4 x 12 tokens, then padded ones
     ex = [Example(i, torch.randint(3, 120, (n,), generator=gen).tolist()) for i, n in enumerate(lengths)]
