@@ -3,29 +3,17 @@
 import re
 
 import numpy as np
-import pytest
 import torch
 
 import moe_attrib as ma
 from moe_attrib.collector import GradientCollector
-from moe_attrib.data import Example, collate, labels_for, token_batches
+from moe_attrib.data import collate, labels_for, token_batches
 from moe_attrib.distributed import Dist
 from moe_attrib.index import column_plan, flatten_batch
 from moe_attrib.loop import CollectionLoop, Progress, Step
-from moe_attrib.zoo import tiny_model
+from tests.test_pipeline import examples, model  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")
-
-
-def examples(n=11):
-    gen = torch.Generator().manual_seed(4)
-    return [Example(i, torch.randint(3, 120, (int(torch.randint(4, 13, (1,), generator=gen)),), generator=gen).tolist())
-            for i in range(n)]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen3_moe")
 
 
 def test_each_rank_takes_every_world_th_batch_less_those_done():
@@ -44,7 +32,7 @@ def test_each_rank_takes_every_world_th_batch_less_those_done():
     assert sorted(seen + sorted(done)) == list(range(len(batches)))
 
 
-def test_rows_equal_a_plain_loop_and_a_filler_step_is_collected_but_not_consumed(model, capsys):
+def test_rows_equal_a_plain_loop_and_a_filler_step_is_collected_but_not_consumed(model, capsys):  # noqa: F811
     """Against a plain loop (no thread, no loop module): each consumed batch's rows and losses; a filler
     step (as `Dist.lockstep` pads a sharded model's ranks with) runs the collector with `step.real`
     False, reaches no consumer, and the token bar counts only real tokens."""
@@ -86,7 +74,7 @@ def test_rows_equal_a_plain_loop_and_a_filler_step_is_collected_but_not_consumed
     assert loop.step is None
 
 
-def test_reseeded_label_draws_are_the_same_in_any_world_size(model):
+def test_reseeded_label_draws_are_the_same_in_any_world_size(model):  # noqa: F811
     """Labels sampled from the model (the true Fisher's, `sample_labels=True`): with `reseed`, the losses
     of every batch are the same whether one rank runs them all or two ranks share them, and the run's
     own draws differ from another seed's (the seeding reaches the sampling)."""
