@@ -88,9 +88,6 @@ class CollectionLoop:
         self.steps = [step for step, _real in dist.lockstep(mine, filler=Step(0, [shortest], real=False))]
         self.step: Step | None = None
 
-    def lengths(self, step: Step) -> list[int]:
-        return [len(self.examples[i].input_ids) for i in step.positions]
-
     def run(
         self,
         collector: GradientCollector,
@@ -110,17 +107,18 @@ class CollectionLoop:
         `reseed`: `torch.manual_seed(reseed * 1_000_003 + step.number)` before each step."""
         dist, examples, pad_id = self.dist, self.examples, self.pad_id
         pin = dist.device.type == "cuda"
-        real = [step for step in self.steps if step.real]
-        shapes = graphed_shapes([self.lengths(s) for s in real], graph_min_batches) if graph_min_batches else set()
+        lengths = [[len(examples[i].input_ids) for i in step.positions] for step in self.steps if step.real]
+        shapes = graphed_shapes(lengths, graph_min_batches) if graph_min_batches else set()
         graphed = None
         if shapes:
             graphed = GraphedCollector(collector, capture_after=1, max_graphs=2, **collect_kwargs)
         tokens = progress is not None and progress.tokens
         bar = tqdm(
-            total=sum(sum(self.lengths(s)) for s in real) if tokens else len(self.steps),
+            total=sum(map(sum, lengths)) if tokens else len(self.steps),
             desc=f"{progress.desc if progress else ''} rank {dist.rank}",
             disable=progress is None,
-            **(dict(unit="tok", unit_scale=True) if tokens else {}),
+            unit="tok" if tokens else "it",
+            unit_scale=tokens,
         )
         start = time.perf_counter()
 
