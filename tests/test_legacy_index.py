@@ -1,0 +1,51 @@
+"""Indexes and EK-FAC factors written by moe-attrib 0.1.0 (before typed settings) load and score
+with the current code to the results recorded then (`tests/data/legacy-index-0.1.0/README.md`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from moe_attrib.cli import main
+
+LEGACY = Path(__file__).parent / "data" / "legacy-index-0.1.0"
+CASES = {  # expected file -> the score command's arguments (beyond the index, model and queries)
+    "expected-index.jsonl": ("index", []),
+    "expected-index-ekfac.jsonl": ("index", ["--ekfac", str(LEGACY / "ekfac"), "--per_module"]),
+    "expected-index-tokens.jsonl": ("index-tokens", []),
+    "expected-index-experts.jsonl": ("index-experts", []),
+}
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def same(got, want, path: str = "") -> None:
+    """Equal records, floats to 1e-5 relative (the same arithmetic on another CPU)."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7), path
+    elif isinstance(want, dict):
+        assert sorted(got) == sorted(want), path
+        for k in want:
+            same(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), path
+        for n, (g, w) in enumerate(zip(got, want, strict=True)):
+            same(g, w, f"{path}[{n}]")
+    else:
+        assert got == want, path
+
+
+@pytest.mark.parametrize("expected", sorted(CASES))
+def test_legacy_index_scores_as_recorded(expected, tmp_path):
+    index, extra = CASES[expected]
+    out = tmp_path / "scores.jsonl"
+    argv = ["score", "--index", str(LEGACY / index), "tiny:mixtral", str(LEGACY / "queries.jsonl"), "--no_texts",
+            "--top_k", "3", "--device", "cpu", "--out", str(out), *extra]  # fmt: skip
+    assert main(argv) == 0
+    same(read(out), read(LEGACY / expected))
+
