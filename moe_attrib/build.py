@@ -25,10 +25,11 @@ from moe_attrib.distributed import Dist
 from moe_attrib.eigenbasis import DEFAULT_BUDGET, EigenPlan, factors_fingerprint, parse_bytes, plan_eigenbasis
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.graphs import AUTO_MIN_BATCHES, GraphedCollector, graphed_shapes
+from moe_attrib.graphs import GraphedCollector, graphed_shapes
 from moe_attrib.index import DEFAULT_PROJECTION_DIM, FORMAT_VERSION, IndexWriter, column_plan, flatten_rows, part_dir
 from moe_attrib.pipeline import BackgroundWriter, HostCopy, batch_inputs, prefetch, to_device
 from moe_attrib.projection import PROJECTION, check_kind
+from moe_attrib.settings import AUTO_MIN_BATCHES, SETTINGS_VERSION
 from moe_attrib.sharding import is_sharded
 
 
@@ -183,6 +184,7 @@ def build_index(
     num_rows = int(offsets[-1]) if attribute_tokens else len(examples)
     manifest = {
         "format_version": FORMAT_VERSION,
+        "settings_version": SETTINGS_VERSION,
         "moe_attrib_version": __version__,
         "complete": False,
         "rows": num_rows,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -22,15 +23,18 @@ from moe_attrib.checks import (
     check_model_spec,
     check_out_dir,
     check_parent_writable,
-    nonnegative_float,
     nonnegative_int,
-    positive_float,
     positive_int,
-    projection_size,
 )
 from moe_attrib.distributed import teardown
-from moe_attrib.graphs import AUTO_MIN_BATCHES
 from moe_attrib.loading import load_model, load_tokenizer, model_name, resolve_precision
+from moe_attrib.settings import (
+    DEFAULT_PROJECTION_DIM,
+    CollectSettings,
+    EkfacSettings,
+    ScoreSettings,
+    add_flags,
+)
 
 
 @contextlib.contextmanager
@@ -789,15 +793,14 @@ def add_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "data", help="JSONL / JSON / text / CSV / Parquet file, a datasets directory, or a hub dataset (org/name)"
     )
-    parser.add_argument("--track_moe_experts", action="store_true", help="attribute every expert of fused MoE layers")
-    parser.add_argument("--filter_modules", default=None, help="glob over module names, e.g. '*.mlp.*'")
+    add_flags(parser, CollectSettings, ["track_moe_experts", "filter_modules"])
     parser.add_argument(
         "--precision",
         default="auto",
         choices=["auto", "fp32", "bf16", "fp16"],
         help="dtype the model runs in (auto: bf16 on a CUDA device that has it, else fp32)",
     )
-    parser.add_argument("--token_batch_size", type=positive_int, default=8192, help="padded tokens per batch")
+    add_flags(parser, CollectSettings, ["token_batch_size"])
     parser.add_argument("--max_length", type=positive_int, default=None, help="longest example (see --truncate)")
     parser.add_argument("--truncate", action="store_true", help="cut examples longer than --max_length")
     parser.add_argument("--text_field", default="text", help="field of each record that holds its text")
@@ -806,12 +809,7 @@ def add_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--fsdp", action="store_true", help=FSDP_HELP)
-    parser.add_argument(
-        "--recompute_layers",
-        action="store_true",
-        help="keep only each decoder layer's inputs and run it again in the backward: far less activation "
-        "memory (same rows) for one more forward per batch",
-    )
+    add_flags(parser, CollectSettings, ["recompute"])
 
 
 OVERWRITE_HELP = "replace output files that exist (never an input of the run, nor a file the index records)"
@@ -851,62 +849,23 @@ def add_projection_args(parser: argparse.ArgumentParser, from_index: bool = Fals
     """`--projection_dim`/`--no_projection`/`--seed`, shared by `build` and `ekfac` (they must agree).
 
     With `from_index` (ekfac's `--index DIR`) both default to None: the index's, else the defaults."""
-    from moe_attrib.index import DEFAULT_PROJECTION_DIM
-
-    parser.add_argument(
-        "--projection_dim",
-        type=projection_size,
-        default=None,
-        help=f"p: each weight block is p x p (default {DEFAULT_PROJECTION_DIM}"
-        + (", or the index's)" if from_index else ")"),
-    )
+    index = {"help": f"p: each weight block is p x p (default {DEFAULT_PROJECTION_DIM}, or the index's)"}
+    add_flags(parser, CollectSettings, ["projection_dim"], projection_dim=index if from_index else {})
     parser.add_argument("--no_projection", action="store_true", help="exact, unprojected rows (small models)")
-    parser.add_argument(
-        "--seed", type=int, default=None if from_index else 0, help="projection seed (and EK-FAC label sampling)"
-    )
+    add_flags(parser, CollectSettings, ["seed"], seed={"default": None} if from_index else {})
 
 
 def add_damping_args(parser: argparse.ArgumentParser, override: bool = False) -> None:
     """`--damping`/`--damping_scope`: the fit's damping, or (`override`, for score) a re-damping of fitted factors."""
-    from moe_attrib.ekfac import DAMPING_SCOPES, DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE
-
-    parser.add_argument(
-        "--damping",
-        type=nonnegative_float,
-        default=None if override else DEFAULT_DAMPING,
-        help="relative damping: x mean(corrected eigenvalue) over --damping_scope"
-        + (" (default: the factors' own)" if override else ""),
-    )
-    parser.add_argument(
-        "--damping_scope",
-        default=None if override else DEFAULT_DAMPING_SCOPE,
-        choices=DAMPING_SCOPES,
-        help="mean over each expert, each module (all its experts) or the whole model",
-    )
+    help = dataclasses.fields(EkfacSettings)[0].metadata["help"] + " (default: the factors' own)"
+    redamp = {"damping": {"default": None, "help": help}, "damping_scope": {"default": None}}
+    add_flags(parser, EkfacSettings, ["damping", "damping_scope"], **(redamp if override else {}))
 
 
 def add_coupling_args(parser: argparse.ArgumentParser) -> None:
     """`--coupling_gamma/_rank/_sample`: the cross-module coupling of the scores, and `--output_balance`
     (docs/scoring.md)."""
-    from moe_attrib.coupling import DEFAULT_GAMMA, DEFAULT_RANK, DEFAULT_SAMPLE
-
-    parser.add_argument(
-        "--coupling_gamma",
-        type=nonnegative_float,
-        default=DEFAULT_GAMMA,
-        help="strength of the cross-module coupling fitted from the index's own rows (0: off)",
-    )
-    parser.add_argument("--coupling_rank", type=positive_int, default=DEFAULT_RANK, help="its rank")
-    parser.add_argument(
-        "--coupling_sample", type=positive_int, default=DEFAULT_SAMPLE, help="index rows it is fitted from"
-    )
-    parser.add_argument(
-        "--output_balance",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="count the output layer's (lm_head's) vote as much as the whole model's (default: on; never with "
-        "--modules; docs/scoring.md)",
-    )
+    add_flags(parser, ScoreSettings, ["coupling_gamma", "coupling_rank", "coupling_sample", "output_balance"])
 
 
 def coupling_args(args: argparse.Namespace) -> dict | None:
@@ -938,33 +897,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_collection_args(build)
     build.add_argument("--index", required=True, help="output directory (written as DIR.part, renamed when done)")
     add_projection_args(build)
-    build.add_argument(
-        "--expert_blocks",
-        default="separate",
-        choices=["separate", "sum"],
-        help="separate: columns per expert (per-expert scores); sum: one block per layer, experts summed",
-    )
-    build.add_argument("--attribute_tokens", action="store_true", help="one row per token instead of per example")
-    build.add_argument(
-        "--optimizer_state",
-        default=None,
-        help="torch optimizer state / HF Trainer checkpoint: Adam/Adafactor normalisation",
-    )
-    build.add_argument(
-        "--index_dtype",
-        default="float32",
-        choices=["float32", "float16", "bfloat16"],
-        help="how rows are stored: 16-bit halves the index and scoring time (effect on scores: docs/build.md)",
-    )
-    build.add_argument(
-        "--cuda_graphs",
-        nargs="?",
-        const="on",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="replay unpadded batches of a repeated shape from CUDA graphs: the same rows, faster at small "
-        f"--token_batch_size (host-bound steps). auto (default): on CUDA, for shapes of >= {AUTO_MIN_BATCHES} batches; "
-        "on (or the bare flag): every repeated shape, an error where it cannot run; off: never (docs/build.md)",
+    add_flags(
+        build, CollectSettings, ["expert_blocks", "attribute_tokens", "optimizer_state", "index_dtype", "cuda_graphs"]
     )
     build.add_argument(
         "--ekfac",
@@ -973,12 +907,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="EK-FAC factors (moe-attrib ekfac --out DIR): store rows in their eigenbasis, columns allocated by "
         "--budget; the factors' sketch replaces --projection_dim/--seed (docs/build.md)",
     )
-    build.add_argument(
-        "--budget",
-        default=None,
-        help="bytes per example of an eigenbasis index (--ekfac), e.g. 256KiB or 1MiB (default 1MiB; "
-        "best with --index_dtype bfloat16: docs/build.md)",
-    )
+    add_flags(build, CollectSettings, ["budget"])
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
     build.add_argument("--overwrite", action="store_true", help="replace an existing index in DIR (only its files)")
     build.set_defaults(func=cmd_build)
@@ -990,22 +919,8 @@ def build_parser() -> argparse.ArgumentParser:
     ekfac.add_argument("--index", default=None, help="index the factors are for: check model, take its projection")
     ekfac.add_argument("--overwrite", action="store_true", help="replace the factor files in a non-empty --out")
     add_damping_args(ekfac)
-    ekfac.add_argument(
-        "--empirical_fisher",
-        action="store_true",
-        help="use the data's labels (empirical Fisher) instead of labels drawn from the model (true Fisher)",
-    )
-    ekfac.add_argument(
-        "--no_fold_bias",
-        action="store_true",
-        help="leave biases unpreconditioned instead of folding each into its weight's factors (a ones column)",
-    )
-    ekfac.add_argument("--max_factor_memory", type=positive_float, default=None, help="GiB; refuse to fit above it")
-    ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")
+    add_flags(ekfac, EkfacSettings, ["sampled_labels", "fold_bias", "max_memory_gib", "factor_device"])
     ekfac.set_defaults(func=cmd_ekfac)
-
-    from moe_attrib.ihvp import DEFAULT_DAMPING as REFINE_DAMPING
-    from moe_attrib.score import DEFAULT_UNIT_NORMALIZE
 
     sc = sub.add_parser("score", help="top training examples of an index for each query")
     source = sc.add_mutually_exclusive_group(required=True)
@@ -1019,15 +934,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument(
         "--ekfac", action="append", default=None, help="EK-FAC dir fitted for the index (repeat for partitions)"
     )
-    sc.add_argument(
-        "--unit_normalize",
-        action=argparse.BooleanOptionalAction,
-        default=DEFAULT_UNIT_NORMALIZE,
-        help="cosine after preconditioning (--no-unit_normalize: inner product)",
-    )
-    sc.add_argument(
-        "--modules", default=None, help="score through the blocks matching this glob only, e.g. '*.experts.*'"
-    )
+    add_flags(sc, ScoreSettings, ["unit_normalize", "modules"])
     add_damping_args(sc, override=True)
     add_coupling_args(sc)
     sc.add_argument(
@@ -1043,24 +950,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank by the mean of this run's scores and these --all_scores matrices of other checkpoints "
         "(same data and queries): docs/scoring.md",
     )
-    sc.add_argument("--top_k", type=positive_int, default=10, help="training rows kept per query")
-    sc.add_argument(
-        "--refine",
-        type=int,
-        default=0,
-        metavar="N",
-        help="refine each query by N CG iterations of "
-        "exact Gauss-Newton products over the training data (docs/scoring.md#refinement); 0: off",
-    )
+    add_flags(sc, ScoreSettings, ["top_k", "refine"])
     sc.add_argument(
         "--refine_ekfac",
         default=None,
         metavar="DIR",
         help="EK-FAC fitted with --no_projection: the refinement's preconditioner (default: none, plain CG)",
     )
-    sc.add_argument("--refine_damping", type=float, default=REFINE_DAMPING, help="x the mean eigenvalue of G")
-    sc.add_argument("--refine_examples", type=int, default=None, help="training rows the GGN averages over (all)")
-    sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")
+    add_flags(sc, ScoreSettings, ["refine_damping", "refine_examples", "per_module"])
     sc.add_argument("--text_field", default="text", help="text field of the queries (the index records its own)")
     sc.add_argument("--tokenizer", default=None, help="default: the index's --tokenizer, else the model's")
     sc.add_argument("--no_texts", action="store_true", help="do not re-read the training data; hits have no text")

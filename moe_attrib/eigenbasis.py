@@ -40,10 +40,10 @@ from moe_attrib.discovery import CoverageReport, iter_entries
 from moe_attrib.ekfac import EKFAC, Factor
 from moe_attrib.index import INDEX_DTYPES, Block
 from moe_attrib.projection import Projections
+from moe_attrib.settings import DEFAULT_BUDGET
 
 EIGENBASIS = "ekfac-eigen-v1"  # recorded as settings["eigenbasis"]["kind"]
 BASIS_FILE = "eigenbasis.safetensors"
-DEFAULT_BUDGET = 2**20  # bytes per example: 1 MiB (docs/build.md: the LDS frontier)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 

@@ -39,12 +39,15 @@ from moe_attrib.index import DEFAULT_PROJECTION_DIM
 from moe_attrib.layouts import Kernels
 from moe_attrib.pipeline import batch_inputs, prefetch, to_device
 from moe_attrib.projection import PROJECTION, Projections, check_kind, projection_kind, side_width
-
-DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md)
-DEFAULT_DAMPING_SCOPE = "model"
-DEFAULT_SAMPLED_LABELS = True  # the true Fisher (labels drawn from the model), not the empirical one
-DAMPING_SCOPES = ("expert", "module", "model")
-DEFAULT_FOLD_BIAS = True  # bias preconditioned with its weight (docs/quality.md)
+from moe_attrib.settings import (
+    DAMPING_SCOPES,
+    DEFAULT_DAMPING,
+    DEFAULT_DAMPING_SCOPE,
+    DEFAULT_FOLD_BIAS,
+    DEFAULT_SAMPLED_LABELS,
+    SETTINGS_VERSION,
+    check_version,
+)
 
 
 class FactorMemoryError(MemoryError):
@@ -152,7 +155,8 @@ class EKFAC:
                     tensors[f"{name}::{key}"] = value.contiguous().cpu()
         with temporary(path / "factors.safetensors") as tmp:
             save_file(tensors, str(tmp))
-        info = {"projection_dim": self.projection_dim, "seed": self.seed, "settings": self.settings, "factors": meta}
+        info = {"settings_version": SETTINGS_VERSION, "projection_dim": self.projection_dim, "seed": self.seed}
+        info.update(settings=self.settings, factors=meta)
         write_text(path / "ekfac.json", json.dumps(info, indent=2))
 
 
@@ -188,6 +192,7 @@ def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> E
         tensors = load_file(str(path / "factors.safetensors"), device=str(device))
     except (OSError, json.JSONDecodeError) as err:
         raise FileNotFoundError(f"{path}: not an EK-FAC directory ({err}).") from err
+    check_version(info, f"EK-FAC factors {path / 'ekfac.json'}")
     out = EKFAC(projection_dim=info["projection_dim"], seed=info["seed"], settings=info["settings"])
     for name, meta in info["factors"].items():
         get = {k.split("::", 1)[1]: v for k, v in tensors.items() if k.split("::", 1)[0] == name}

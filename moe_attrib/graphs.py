@@ -38,12 +38,10 @@ import torch
 
 from moe_attrib.collector import GradientCollector, PerExampleGradients
 
+
 # a capture costs about five steps (an eager one, a trial with host waits made errors, a warm-up, the
 # capture, the checked replay); a replay saves 20% of a step at 8k tokens, 60% at 1k (H100): a shape
 # with this many batches pays for its capture at any size
-AUTO_MIN_BATCHES = 32
-
-
 def graphed_shapes(batch_lengths: Iterable[Sequence[int]], min_batches: int) -> set[tuple[int, int]]:
     """The batch shapes `(rows, tokens)` worth a graph: unpadded batches (every member of one length)
     whose shape occurs in at least `min_batches` batches. `batch_lengths` holds each batch's member

@@ -55,9 +55,8 @@ from moe_attrib.fingerprint import check_model
 from moe_attrib.index import Index, column_plan, flatten_rows
 from moe_attrib.precondition import ScoreError
 from moe_attrib.projection import Projections, projection_kind
-
-DEFAULT_ITERATIONS = 4
-DEFAULT_DAMPING = 1.0  # x the mean eigenvalue of G, as EK-FAC's (it ranked better than 0.1: docs/scoring.md)
+from moe_attrib.settings import DEFAULT_REFINE_DAMPING as DEFAULT_DAMPING
+from moe_attrib.settings import DEFAULT_REFINE_ITERATIONS as DEFAULT_ITERATIONS
 
 Vectors = list[torch.Tensor]  # one tensor per tracked parameter, each `[Q, *parameter shape]`
 

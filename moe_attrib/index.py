@@ -25,12 +25,11 @@ import numpy as np
 
 from moe_attrib.discovery import CoverageReport, iter_entries
 from moe_attrib.projection import PROJECTION, side_width
+from moe_attrib.settings import DEFAULT_INDEX_DTYPE, DEFAULT_PROJECTION_DIM, check_version  # noqa: F401 (re-exported)
 
 FORMAT_VERSION = 1
 INDEX_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # stored numpy dtype
-DEFAULT_INDEX_DTYPE = "float32"
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
-DEFAULT_PROJECTION_DIM = 32  # per side: a p x p block per weight (docs/quality.md)
 INDEX_FILES = (
     "manifest.json",
     "manifest.tmp",
@@ -475,6 +474,7 @@ def load_index(path: str | Path) -> Index:
         raise IndexFileError(f"{manifest_path}: missing or unreadable manifest ({err}).") from err
     if not manifest.get("complete"):
         raise IndexFileError(f"{path}: the manifest does not mark the build complete.")
+    check_version(manifest, f"index {path}")
     try:
         gradients = np.load(path / "gradients.npy", mmap_mode="r")
         losses = np.load(path / "losses.npy", mmap_mode="r")

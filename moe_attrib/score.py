@@ -30,11 +30,9 @@ from moe_attrib.ihvp import RefinedQueries
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
 from moe_attrib.precondition import EXPERT_BLOCK, ScoreError, module_blocks, module_columns, precondition_queries
 from moe_attrib.projection import projection_kind
+from moe_attrib.settings import DEFAULT_BALANCE, DEFAULT_COUPLING, DEFAULT_UNIT_NORMALIZE
 from moe_attrib.stream import DEFAULT_BLOCK_BYTES, DEFAULT_READER, ToHost, stream_rows
 
-DEFAULT_UNIT_NORMALIZE = True  # cosine after preconditioning (docs/quality.md)
-DEFAULT_COUPLING = "auto"  # fit the cross-module coupling with its defaults (docs/quality.md)
-DEFAULT_BALANCE = "auto"  # balance the output layer's vote against the whole model's (docs/quality.md)
 __all__ = [
     "Balance",
     "Coupling",

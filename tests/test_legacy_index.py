@@ -49,3 +49,18 @@ def test_legacy_index_scores_as_recorded(expected, tmp_path):
     assert main(argv) == 0
     same(read(out), read(LEGACY / expected))
 
+
+@pytest.mark.parametrize("what", ["index", "ekfac"])
+def test_settings_from_a_future_version_are_refused(what, tmp_path):
+    from moe_attrib.ekfac import load_ekfac
+    from moe_attrib.index import load_index
+    from moe_attrib.settings import SettingsVersionError
+
+    copy = tmp_path / what
+    shutil.copytree(LEGACY / what, copy)
+    described = copy / ("manifest.json" if what == "index" else "ekfac.json")
+    info = json.loads(described.read_text())
+    info["settings_version"] = 99
+    described.write_text(json.dumps(info))
+    with pytest.raises(SettingsVersionError, match=r"settings version 99, newer .* upgrade moe-attrib"):
+        (load_index if what == "index" else load_ekfac)(copy)
