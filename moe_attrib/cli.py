@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import shlex
@@ -32,8 +31,10 @@ from moe_attrib.settings import (
     DEFAULT_PROJECTION_DIM,
     CollectSettings,
     EkfacSettings,
+    RefineSettings,
     ScoreSettings,
     add_flags,
+    from_args,
 )
 
 
@@ -224,26 +225,15 @@ def cmd_build(args: argparse.Namespace) -> int:
                 model,
                 examples,
                 args.index,
+                from_args(CollectSettings, args, projection_dim=projection(args), budget=budget),
                 model_name=model_name(args.model),
-                track_moe_experts=args.track_moe_experts,
-                projection_dim=projection(args),
-                seed=args.seed,
-                expert_blocks=args.expert_blocks,
-                token_batch_size=args.token_batch_size,
-                filter_modules=args.filter_modules,
-                attribute_tokens=args.attribute_tokens,
-                optimizer_state=args.optimizer_state,
+                ekfac=factors,
                 resume=args.resume,
                 overwrite=args.overwrite,
-                index_dtype=args.index_dtype,
                 pad_id=pad,
                 extra_settings=data_settings(args, tokenizer),
                 dist=dist,
                 progress=not args.quiet,
-                recompute=args.recompute_layers,
-                cuda_graphs={"on": True, "off": False, "auto": None}[args.cuda_graphs],
-                ekfac=factors,
-                budget=budget,
             )
     except KeyboardInterrupt:
         if part_dir(args.index).exists():
@@ -364,25 +354,15 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
             print_sharding_plan(args, model, dist, factors=True)
             if index is not None:
                 check_model(index.manifest["settings"], model, tokenizer, what=f"index {args.index}")
+            collect = from_args(CollectSettings, args, projection_dim=projection(args))
             result = fit_ekfac(
                 model,
                 examples,
-                track_moe_experts=args.track_moe_experts,
-                filter_modules=args.filter_modules,
-                projection_dim=projection(args),
-                seed=args.seed,
-                projection=getattr(args, "projection_kind", PROJECTION),
-                damping=args.damping,
-                damping_scope=args.damping_scope,
-                sampled_labels=not args.empirical_fisher,
-                fold_bias=not args.no_fold_bias,
-                token_batch_size=args.token_batch_size,
+                from_args(EkfacSettings, args, factor_device=args.factor_device or dist.device),
+                collect=collect.replace(projection=getattr(args, "projection_kind", PROJECTION)),
                 pad_id=pad,
-                max_memory_gib=args.max_factor_memory,
-                factor_device=args.factor_device or dist.device,
                 dist=dist,
                 progress=not args.quiet,
-                recompute=args.recompute_layers,
             )
     except (DataError, LayoutError, FactorMemoryError, FingerprintError, UsageError, ValueError) as err:
         print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
@@ -609,9 +589,8 @@ def refine_cli(args: argparse.Namespace, model, index, train: list, queries: lis
 
     ekfac = load_ekfac(args.refine_ekfac) if args.refine_ekfac else None
     refined = refine_queries(
-        model, train, queries, index, ekfac=ekfac, iterations=args.refine, damping=args.refine_damping,
-        examples=args.refine_examples, pad_id=pad, progress=True,
-    )  # fmt: skip
+        model, train, queries, index, from_args(RefineSettings, args), ekfac=ekfac, pad_id=pad, progress=True
+    )
     print(f"refined {len(queries)} queries: {args.refine} CG iterations, {refined.products} GGN products per query "
           f"over {refined.settings['examples']} training rows, median relative residual "
           f"{float(np.median(refined.residuals[-1])):.3g}")  # fmt: skip
@@ -639,10 +618,7 @@ def cmd_score_run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model, args.tokenizer)
     queries = load_examples(args.queries, tokenizer, args.text_field, None, True)
     run = score_run(
-        args.run, queries, tokenizer=tokenizer, top_k=args.top_k, unit_normalize=args.unit_normalize,
-        modules=args.modules, damping=args.damping, damping_scope=args.damping_scope,
-        coupling_gamma=args.coupling_gamma, coupling_rank=args.coupling_rank,
-        coupling_sample=args.coupling_sample, output_balance=args.output_balance,
+        args.run, queries, from_args(ScoreSettings, args), tokenizer=tokenizer,
         pad_id=getattr(tokenizer, "pad_token_id", None) or 0, device=args.device, progress=True,
     )  # fmt: skip
     settings = run.index.manifest["settings"]
@@ -857,9 +833,7 @@ def add_projection_args(parser: argparse.ArgumentParser, from_index: bool = Fals
 
 def add_damping_args(parser: argparse.ArgumentParser, override: bool = False) -> None:
     """`--damping`/`--damping_scope`: the fit's damping, or (`override`, for score) a re-damping of fitted factors."""
-    help = dataclasses.fields(EkfacSettings)[0].metadata["help"] + " (default: the factors' own)"
-    redamp = {"damping": {"default": None, "help": help}, "damping_scope": {"default": None}}
-    add_flags(parser, EkfacSettings, ["damping", "damping_scope"], **(redamp if override else {}))
+    add_flags(parser, ScoreSettings if override else EkfacSettings, ["damping", "damping_scope"])
 
 
 def add_coupling_args(parser: argparse.ArgumentParser) -> None:
@@ -950,14 +924,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank by the mean of this run's scores and these --all_scores matrices of other checkpoints "
         "(same data and queries): docs/scoring.md",
     )
-    add_flags(sc, ScoreSettings, ["top_k", "refine"])
+    add_flags(sc, ScoreSettings, ["top_k"])
+    add_flags(sc, RefineSettings, ["iterations"])
     sc.add_argument(
         "--refine_ekfac",
         default=None,
         metavar="DIR",
         help="EK-FAC fitted with --no_projection: the refinement's preconditioner (default: none, plain CG)",
     )
-    add_flags(sc, ScoreSettings, ["refine_damping", "refine_examples", "per_module"])
+    add_flags(sc, RefineSettings, ["damping", "examples"])
+    add_flags(sc, ScoreSettings, ["per_module"])
     sc.add_argument("--text_field", default="text", help="text field of the queries (the index records its own)")
     sc.add_argument("--tokenizer", default=None, help="default: the index's --tokenizer, else the model's")
     sc.add_argument("--no_texts", action="store_true", help="do not re-read the training data; hits have no text")

@@ -24,6 +24,7 @@ import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,18 +36,20 @@ from moe_attrib.data import Example, token_batches
 from moe_attrib.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.distributed import Dist
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.index import DEFAULT_PROJECTION_DIM
 from moe_attrib.layouts import Kernels
 from moe_attrib.pipeline import batch_inputs, prefetch, to_device
 from moe_attrib.projection import PROJECTION, Projections, check_kind, projection_kind, side_width
-from moe_attrib.settings import (
+from moe_attrib.settings import (  # noqa: F401 (re-exported)
     DAMPING_SCOPES,
     DEFAULT_DAMPING,
     DEFAULT_DAMPING_SCOPE,
     DEFAULT_FOLD_BIAS,
     DEFAULT_SAMPLED_LABELS,
     SETTINGS_VERSION,
+    CollectSettings,
+    EkfacSettings,
     check_version,
+    resolve,
 )
 
 
@@ -337,26 +340,21 @@ def _batches(examples: list[Example], token_batch_size: int, dist: Dist) -> list
 def fit_ekfac(
     model: nn.Module,
     examples: list[Example],
+    settings: EkfacSettings | None = None,
     *,
-    track_moe_experts: bool = True,
-    filter_modules: str | None = None,
-    projection_dim: int | None = DEFAULT_PROJECTION_DIM,
-    seed: int = 0,
-    projection: str = PROJECTION,
-    damping: float = DEFAULT_DAMPING,
-    damping_scope: str = DEFAULT_DAMPING_SCOPE,
-    sampled_labels: bool = DEFAULT_SAMPLED_LABELS,
-    fold_bias: bool = DEFAULT_FOLD_BIAS,
-    token_batch_size: int = 8192,
+    collect: CollectSettings | None = None,
     pad_id: int = 0,
-    max_memory_gib: float | None = None,
-    factor_device: str | torch.device = "cpu",
     dist: Dist | None = None,
     out: str | Path | None = None,
     progress: bool = True,
-    recompute: bool = False,
+    **overrides: Any,
 ) -> EKFAC:
     """Fit EK-FAC factors on `examples`: covariances, float64 eigendecompositions, corrected eigenvalues.
+
+    How is `settings` (`moe_attrib.settings.EkfacSettings`) and, for the gradients, `collect` (the
+    `CollectSettings` fields that shape rows: projection, seed, modules, batching, recompute); any field
+    of either may be given as a keyword shortcut (`projection_dim=16`, `damping=0.1`). `factor_device`
+    None keeps the factors on the CPU. The fields are described below by name.
 
     `damping` is relative: `damping x mean(Lambda)` over `damping_scope` (see `EKFAC.with_damping`,
     which also re-damps fitted factors without refitting). `projection` is the projection kind
@@ -366,6 +364,11 @@ def fit_ekfac(
     Under torchrun the sums are all-reduced, so every rank ends with the same factors. `recompute`:
     decoder layers run again in the backward instead of keeping their activations (`moe_attrib.recompute`).
     """
+    ek, st = resolve("fit_ekfac", overrides, settings, collect, kinds=(EkfacSettings, CollectSettings))
+    track_moe_experts, filter_modules, token_batch_size = st.track_moe_experts, st.filter_modules, st.token_batch_size
+    projection_dim, seed, projection, recompute = st.projection_dim, st.seed, st.projection, st.recompute
+    damping, damping_scope, sampled_labels, fold_bias = ek.damping, ek.damping_scope, ek.sampled_labels, ek.fold_bias
+    max_memory_gib, factor_device = ek.max_memory_gib, ek.factor_device or "cpu"
     check_damping(damping, damping_scope)
     check_kind(projection)
     device = next(model.parameters()).device

@@ -41,6 +41,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,8 +56,9 @@ from moe_attrib.fingerprint import check_model
 from moe_attrib.index import Index, column_plan, flatten_rows
 from moe_attrib.precondition import ScoreError
 from moe_attrib.projection import Projections, projection_kind
-from moe_attrib.settings import DEFAULT_REFINE_DAMPING as DEFAULT_DAMPING
-from moe_attrib.settings import DEFAULT_REFINE_ITERATIONS as DEFAULT_ITERATIONS
+from moe_attrib.settings import DEFAULT_REFINE_DAMPING as DEFAULT_DAMPING  # noqa: F401 (re-exported)
+from moe_attrib.settings import DEFAULT_REFINE_ITERATIONS as DEFAULT_ITERATIONS  # noqa: F401 (re-exported)
+from moe_attrib.settings import RefineSettings, resolve
 
 Vectors = list[torch.Tensor]  # one tensor per tracked parameter, each `[Q, *parameter shape]`
 
@@ -383,26 +385,26 @@ def refine_queries(
     train: list[Example],
     queries: list[Example],
     index: Index,
+    settings: RefineSettings | None = None,
     *,
     ekfac: EKFAC | None = None,
-    iterations: int = DEFAULT_ITERATIONS,
-    damping: float = DEFAULT_DAMPING,
-    examples: int | None = None,
-    seed: int = 0,
     pad_id: int = 0,
-    token_batch_size: int = 4096,
-    query_batch: int = 16,
-    vector_batch: int = 8,
     dtype: torch.dtype = torch.float32,
     callback: Callable[[int, int, Vectors], None] | None = None,
     progress: bool = False,
+    **overrides: Any,
 ) -> RefinedQueries:
     """Query rows `P (G + damping m I)^-1 q` for `index` (module docstring): `q` each query's exact
     gradient, `G` the exact GGN over `train` (or `examples` of its rows drawn with `seed`), solved
     by `iterations` steps of CG preconditioned with unprojected `ekfac` factors, `m` the mean
     eigenvalue of G, `P` the index's projection. Queries are solved `query_batch` at a time (each
     batch shares the sweeps' forwards), `vector_batch` of them per vmapped backward; `dtype` is the
-    solver's vectors' (float64 for tests)."""
+    solver's vectors' (float64 for tests). The settings (`moe_attrib.settings.RefineSettings`: `iterations`,
+    `damping`, `examples`, `seed`, `token_batch_size`, `query_batch`, `vector_batch`) may also be given as
+    keyword shortcuts (`iterations=8`)."""
+    (rs,) = resolve("refine_queries", overrides, settings, kinds=(RefineSettings,))
+    iterations, damping, examples, seed = rs.iterations, rs.damping, rs.examples, rs.seed
+    token_batch_size, query_batch, vector_batch = rs.token_batch_size, rs.query_batch, rs.vector_batch
     if iterations < 0 or damping <= 0:
         raise RefineError(f"refinement needs iterations >= 0 and damping > 0, not {iterations} and {damping}.")
     st = index.manifest["settings"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,8 +31,8 @@ from moe_attrib.ihvp import RefinedQueries
 from moe_attrib.index import Block, Index, column_plan, flatten_batch
 from moe_attrib.precondition import EXPERT_BLOCK, ScoreError, module_blocks, module_columns, precondition_queries
 from moe_attrib.projection import projection_kind
-from moe_attrib.settings import DEFAULT_BALANCE, DEFAULT_COUPLING, DEFAULT_UNIT_NORMALIZE
-from moe_attrib.stream import DEFAULT_BLOCK_BYTES, DEFAULT_READER, ToHost, stream_rows
+from moe_attrib.settings import DEFAULT_BALANCE, DEFAULT_COUPLING, DEFAULT_UNIT_NORMALIZE, ScoreSettings, resolve
+from moe_attrib.stream import DEFAULT_READER, ToHost, stream_rows
 
 __all__ = [
     "Balance",
@@ -161,20 +162,14 @@ def _device(device: str | torch.device | None) -> torch.device:
 def score(
     index: Index,
     queries: torch.Tensor | np.ndarray | RefinedQueries,
+    settings: ScoreSettings | None = None,
     *,
     ekfac: EKFAC | None = None,
-    unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
-    top_k: int = 10,
-    per_module: bool = False,
-    modules: str | None = None,
     coupling: Coupling | str | None = DEFAULT_COUPLING,
     balance: Balance | str | None = DEFAULT_BALANCE,
-    block_rows: int | None = None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
     device: str | torch.device | None = None,
     progress: bool = False,
-    threads: int | None = None,
-    reader: str = DEFAULT_READER,
+    **overrides: Any,
 ) -> Scores:
     """Top-k training rows for each query row (`[Q, dim]`, in the index's column layout).
 
@@ -185,7 +180,15 @@ def score(
     from `fit_coupling` to reuse one; None: off) adds the cross-module correction, `balance`
     ("auto", a `Balance` from `fit_balance`, None) the output-layer balance. `queries` may be
     `RefinedQueries` (`moe_attrib.ihvp.refine_queries`), scored as they are (`ekfac=None`).
+
+    `settings` (`moe_attrib.settings.ScoreSettings`) gives `unit_normalize`, `modules`, `top_k`,
+    `per_module` and the streaming (`block_bytes`, `block_rows`, `threads`, `reader`); each may also be
+    given as a keyword shortcut (`top_k=5`). Its coupling fields are `score_queries`' (this function
+    takes a fitted `coupling`).
     """
+    (st,) = resolve("score", overrides, settings, kinds=(ScoreSettings,))
+    unit_normalize, modules, top_k, per_module = st.unit_normalize, st.modules, st.top_k, st.per_module
+    block_bytes, block_rows, threads, reader = st.block_bytes, st.block_rows, st.threads, st.reader
     device = _device(device)
     q = prepare_queries(
         index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, balance=balance,
@@ -244,19 +247,15 @@ def hit_parts(
 def score_matrix(
     index: Index,
     queries: torch.Tensor | np.ndarray | RefinedQueries,
+    settings: ScoreSettings | None = None,
     *,
     ekfac: EKFAC | None = None,
-    unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
-    modules: str | None = None,
     coupling: Coupling | str | None = DEFAULT_COUPLING,
     balance: Balance | str | None = DEFAULT_BALANCE,
     out: str | Path | None = None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
     device: str | torch.device | None = None,
     progress: bool = False,
-    block_rows: int | None = None,
-    threads: int | None = None,
-    reader: str = DEFAULT_READER,
+    **overrides: Any,
 ) -> np.ndarray:
     """Every score: `[Q, rows]` float32, streamed over the index in blocks of `block_bytes` stored
     bytes (or `block_rows` rows), as `score` streams it.
@@ -264,7 +263,11 @@ def score_matrix(
     With `out` (a `.npy` path) the matrix is written to a memory-mapped file as it is computed
     and returned memory-mapped, so neither the index nor the scores need to fit in memory. On
     CUDA each block's scores come back through a pinned buffer while the next block is scored.
+    `settings` and keyword shortcuts as for `score` (`top_k` and `per_module` do not apply).
     """
+    (st,) = resolve("score_matrix", overrides, settings, kinds=(ScoreSettings,))
+    unit_normalize, modules = st.unit_normalize, st.modules
+    block_bytes, block_rows, threads, reader = st.block_bytes, st.block_rows, st.threads, st.reader
     device = _device(device)
     q = prepare_queries(
         index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, balance=balance,

@@ -140,6 +140,26 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
 
+def resolve(where: str, overrides: dict[str, Any], *given: Settings | None, kinds: tuple[type, ...]) -> tuple:
+    """The settings objects a function runs with: each of `given` (None: `kinds`' defaults) with the
+    keyword shortcuts `overrides` (field names of any of `kinds`) applied; an unknown name is a
+    `TypeError` naming `where` and the fields it takes."""
+    names = [{f.name for f in dataclasses.fields(k)} for k in kinds]
+    unknown = sorted(set(overrides) - set().union(*names))
+    if unknown:
+        known = ", ".join(sorted(set().union(*names)))
+        raise TypeError(
+            f"{where}() got unknown settings {unknown}; it takes settings objects or these fields: {known}."
+        )
+    out = []
+    for obj, kind, own in zip(given, kinds, names, strict=True):
+        if obj is not None and not isinstance(obj, kind):
+            raise TypeError(f"{where}(): expected {kind.__name__}, got {type(obj).__name__}.")
+        mine = {k: v for k, v in overrides.items() if k in own}
+        out.append((obj or kind()).replace(**mine) if mine else obj or kind())
+    return tuple(out)
+
+
 def _flag(f: dataclasses.Field) -> str | None:
     flag = f.metadata.get("flag")
     return None if flag == "" else flag or f"--{f.name}"
@@ -285,7 +305,7 @@ class EkfacSettings(Settings):
 
 @dataclass(frozen=True)
 class ScoreSettings(Settings):
-    """How queries are scored against an index (`score`, `score_matrix`, `score_queries`)."""
+    """How queries are scored against an index (`score`, `score_matrix`, `score_run`, `score_queries`)."""
 
     unit_normalize: bool = setting(
         DEFAULT_UNIT_NORMALIZE,
@@ -293,6 +313,14 @@ class ScoreSettings(Settings):
         action=argparse.BooleanOptionalAction,
     )
     modules: str | None = setting(None, "score through the blocks matching this glob only, e.g. '*.experts.*'")
+    damping: float | None = setting(
+        None,
+        "relative damping: x mean(corrected eigenvalue) over --damping_scope (default: the factors' own)",
+        type=nonnegative_float,
+    )  # re-damps fitted EK-FAC factors (EKFAC.with_damping); None: as fitted
+    damping_scope: str | None = setting(
+        None, "mean over each expert, each module (all its experts) or the whole model", choices=DAMPING_SCOPES
+    )
     coupling_gamma: float = setting(
         DEFAULT_GAMMA,
         "strength of the cross-module coupling fitted from the index's own rows (0: off)",
@@ -308,15 +336,6 @@ class ScoreSettings(Settings):
     )
     top_k: int = setting(10, "training rows kept per query", type=positive_int)
     per_module: bool = setting(False, "per-layer and per-expert breakdown of each score", action="store_true")
-    refine: int = setting(
-        0,
-        "refine each query by N CG iterations of exact Gauss-Newton products over the training data "
-        "(docs/scoring.md#refinement); 0: off",
-        type=int,
-        metavar="N",
-    )
-    refine_damping: float = setting(DEFAULT_REFINE_DAMPING, "x the mean eigenvalue of G", type=float)
-    refine_examples: int | None = setting(None, "training rows the GGN averages over (all)", type=int)
     block_bytes: int = setting(DEFAULT_BLOCK_BYTES, flag="")  # stored bytes of index rows per streamed block
     block_rows: int | None = setting(None, flag="")  # or rows per block
     reader: str = setting(DEFAULT_READER, flag="")  # how blocks are read (moe_attrib.stream)
@@ -334,7 +353,25 @@ class ScoreSettings(Settings):
         """Whether the output layer's vote is balanced: asked for, and never for a `modules` score."""
         return self.output_balance and self.modules is None
 
-    def streaming(self) -> dict[str, Any]:
-        """The keywords of `moe_attrib.stream.stream_rows` these settings give."""
-        return {"block_bytes": self.block_bytes, "block_rows": self.block_rows, "threads": self.threads,
-                "reader": self.reader}  # fmt: skip
+
+@dataclass(frozen=True)
+class RefineSettings(Settings):
+    """How queries are refined by CG on the exact Gauss-Newton matrix (`refine_queries`, `score --refine`)."""
+
+    iterations: int = setting(
+        DEFAULT_REFINE_ITERATIONS,
+        "refine each query by N CG iterations of exact Gauss-Newton products over the training data "
+        "(docs/scoring.md#refinement); 0: off",
+        flag="--refine",
+        type=int,
+        metavar="N",
+        cli_default=0,
+    )
+    damping: float = setting(DEFAULT_REFINE_DAMPING, "x the mean eigenvalue of G", flag="--refine_damping", type=float)
+    examples: int | None = setting(
+        None, "training rows the GGN averages over (all)", flag="--refine_examples", type=int
+    )  # drawn with `seed`
+    seed: int = setting(0, flag="")
+    token_batch_size: int = setting(4096, flag="")  # padded tokens per forward of the GGN sweeps
+    query_batch: int = setting(16, flag="")  # queries solved together (sharing the sweeps' forwards)
+    vector_batch: int = setting(8, flag="")  # vectors per vmapped backward
