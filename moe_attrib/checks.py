@@ -3,7 +3,6 @@ paths and EK-FAC directories. Each failure is a `UsageError` naming the flag and
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -85,20 +84,6 @@ def check_parent_writable(path: Path, flag: str) -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UsageError(f"{flag} {path}: cannot create it ({parent} is not a writable directory).")
-
-
-def check_collection_args(args: argparse.Namespace) -> None:
-    """Everything about a `build`/`ekfac` command line that can be checked before loading anything."""
-    check_model_spec(args.model)
-    check_device(args.device)
-    if args.no_projection and args.projection_dim is not None:
-        raise UsageError(
-            f"--projection_dim {args.projection_dim} and --no_projection contradict each other; pass one of them."
-        )
-    if getattr(args, "optimizer_state", None):
-        if not Path(args.optimizer_state).exists():
-            raise UsageError(f"--optimizer_state {args.optimizer_state}: no such file or directory.")
-        args.optimizer_state = str(Path(args.optimizer_state).resolve())  # score re-reads it from anywhere
 
 
 def check_ekfac_dirs(dirs: list[str], settings: dict, index_path: str) -> None:

@@ -16,20 +16,18 @@ import torch
 
 from moe_attrib.checks import (
     UsageError,
-    check_collection_args,
     check_device,
-    check_ekfac_dirs,
     check_model_spec,
     check_out_dir,
-    check_parent_writable,
     nonnegative_int,
     positive_int,
 )
 from moe_attrib.distributed import teardown
-from moe_attrib.loading import load_model, load_tokenizer, model_name, resolve_precision
+from moe_attrib.loading import load_model, load_tokenizer, resolve_precision
 from moe_attrib.settings import (
     DEFAULT_PROJECTION_DIM,
     CollectSettings,
+    DataSettings,
     EkfacSettings,
     RefineSettings,
     ScoreSettings,
@@ -105,177 +103,52 @@ def inspected_model(spec: str, precision: str) -> torch.nn.Module:
     return load_model(spec, precision)
 
 
-def load_inputs(args: argparse.Namespace, dist):
-    """Tokenizer, examples and model (on the rank's device) for `build` and `ekfac`. Rows longer than
-    the model's context are an error naming the row, or with `--truncate` cut there (`--max_length`
-    then records the cut, so that `score` reads the same rows again)."""
-    from moe_attrib.data import check_context, check_token_ids, context_length, load_examples
-
-    tokenizer = load_tokenizer(args.model, args.tokenizer)
-    examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate, args.split)
-    dtype = resolve_precision(args.precision, dist.device)
-    if dist.fsdp:
-        from moe_attrib.sharding import load_sharded
-
-        model = load_sharded(args.model, dtype, dist)
-    else:
-        model = load_model(args.model, dtype).to(dist.device)
-    check_token_ids(examples, model.get_input_embeddings().num_embeddings, args.data)
-    context = context_length(model)
-    check_context(examples, context, args.data, args.truncate)
-    if args.truncate and context is not None and (args.max_length is None or args.max_length > context):
-        args.max_length = context
-    return tokenizer, examples, model, getattr(tokenizer, "pad_token_id", None) or 0
-
-
-def fit_model(args: argparse.Namespace, dist, command: str):
-    """Before loading: does the model fit one device? A local safetensors checkpoint's size (from its
-    headers) against the device's free memory; under torchrun a model that does not fit is sharded
-    (`--fsdp`) automatically, without torchrun the error says how to launch it. Returns the `Dist`."""
-    from moe_attrib.distributed import setup
-    from moe_attrib.loading import checkpoint_numel, device_free_bytes
-    from moe_attrib.plan import choose_sharding
-
-    numel, free = checkpoint_numel(args.model), device_free_bytes(dist.device)
-    if numel is None or free is None:
-        return dist
-    if torch.distributed.is_initialized() and dist.world > 1:  # one decision for every rank: the tightest device
-        least = torch.tensor([free], dtype=torch.int64, device=dist.device)
-        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
-        free = int(least.item())
-    size = torch.empty((), dtype=resolve_precision(args.precision, dist.device)).element_size()
-    torchrun = "MASTER_ADDR" in os.environ
-    shard, note = choose_sharding(numel * size, free, dist.world, dist.fsdp, torchrun, command)
-    if shard and not dist.fsdp:
-        if dist.is_main:
-            print(f"moe-attrib {command}: {note}", flush=True)
-        args.fsdp = True
-        dist = setup(args.device, fsdp=True)
-    return dist
-
-
-def print_sharding_plan(args: argparse.Namespace, model, dist, factors: bool = False) -> None:
-    """`--fsdp`: the memory plan per rank (parameters, activations, routed grid, factors) before the run."""
-    if not dist.fsdp or not dist.is_main:
-        return
-    from moe_attrib.plan import format_memory_plan, memory_plan
-    from moe_attrib.projection import PROJECTION
-
-    kind = getattr(args, "projection_kind", PROJECTION)
-    plan = memory_plan(
-        model, dist.world, args.token_batch_size, projection(args), args.track_moe_experts, factors, kind,
-        args.recompute_layers,
-    )  # fmt: skip
-    print(format_memory_plan(plan), flush=True)
-
-
-def data_settings(args: argparse.Namespace, tokenizer) -> dict:
-    """What an index / factors record so that the data can be read again exactly, from any directory."""
-    from moe_attrib.data import source_path
-    from moe_attrib.fingerprint import tokenizer_fingerprint
-
-    return {
-        "data": source_path(str(args.data)),
-        "text_field": args.text_field,
-        "split": args.split,
-        "tokenizer": source_path(args.tokenizer) if args.tokenizer else None,
-        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-        "max_length": args.max_length,
-        "truncate": args.truncate,
-    }
-
-
 def resume_command(argv: list[str]) -> str:
     argv = list(argv) + ([] if "--resume" in argv else ["--resume"])
     return "moe-attrib " + shlex.join(argv)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from moe_attrib.build import build_index, check_graphable
-    from moe_attrib.data import DataError
-    from moe_attrib.distributed import setup
-    from moe_attrib.experts import LayoutError
-    from moe_attrib.index import IndexFileError, check_index_target, part_dir
+    from moe_attrib.attribution import build_from_files
+    from moe_attrib.index import part_dir
 
+    check_projection_flags(args)
+    settings = from_args(CollectSettings, args, projection_dim=projection(args))
     try:
-        check_collection_args(args)
-        if args.projection_dim is None:
-            from moe_attrib.index import DEFAULT_PROJECTION_DIM
-
-            args.projection_dim = DEFAULT_PROJECTION_DIM
-        if not args.resume:
-            check_index_target(args.index, args.overwrite)
-        check_parent_writable(Path(args.index), "--index")
-        factors, budget = eigenbasis_args(args)
-    except (UsageError, IndexFileError, ValueError) as err:
-        print(f"moe-attrib build: error: {err}", file=sys.stderr)
-        return 2
-    try:
-        dist = fit_model(args, setup(args.device, fsdp=args.fsdp), "build")
-        if args.cuda_graphs == "on":
-            check_graphable(dist.device, args.recompute_layers, args.fsdp)
-    except (RuntimeError, UsageError, ValueError) as err:
-        print(f"moe-attrib build: error: {err}", file=sys.stderr)
-        return 2
-    try:
-        with notes():
-            tokenizer, examples, model, pad = load_inputs(args, dist)
-            print_sharding_plan(args, model, dist)
-            path = build_index(
-                model,
-                examples,
-                args.index,
-                from_args(CollectSettings, args, projection_dim=projection(args), budget=budget),
-                model_name=model_name(args.model),
-                ekfac=factors,
-                resume=args.resume,
-                overwrite=args.overwrite,
-                pad_id=pad,
-                extra_settings=data_settings(args, tokenizer),
-                dist=dist,
-                progress=not args.quiet,
-            )
+        with value_errors(), notes():
+            path = build_from_files(
+                args.model, args.data, args.index, settings, reading=from_args(DataSettings, args), ekfac=args.ekfac,
+                precision=args.precision, device=args.device, fsdp=args.fsdp, resume=args.resume,
+                overwrite=args.overwrite, progress=not args.quiet, log=say,
+            )  # fmt: skip
     except KeyboardInterrupt:
         if part_dir(args.index).exists():
             print(f"\ninterrupted; continue with: {resume_command(args.argv)}", file=sys.stderr)
         else:
             print("\ninterrupted before anything was written; run the command again.", file=sys.stderr)
         return 130
-    except (DataError, IndexFileError, LayoutError, UsageError, ValueError) as err:  # OptimizerStateError
-        print(f"moe-attrib build: error: {err}", file=sys.stderr)
-        return 2
-    if dist.is_main:
+    if is_main_process():
         manifest = json.loads((Path(path) / "manifest.json").read_text())
         print(f"index written to {path} ({manifest['rows']:,} rows for {manifest['examples']:,} examples)")
     return 0
 
 
-def eigenbasis_args(args: argparse.Namespace):
-    """`build --ekfac DIR [--budget SIZE]`: the factors (on the CPU) and the budget in bytes, checked
-    before any work; `(None, None)` for an index of seeded projections."""
-    from moe_attrib.eigenbasis import DEFAULT_BUDGET, parse_bytes
-    from moe_attrib.ekfac import load_ekfac
-    from moe_attrib.index import DEFAULT_PROJECTION_DIM
+def say(line: str) -> None:
+    """A line of what a command is doing, shown at once (before the work it is about)."""
+    print(line, flush=True)
 
-    if not args.ekfac:
-        if args.budget is not None:
-            raise UsageError("--budget allocates the eigen-directions of EK-FAC factors: give them with --ekfac DIR.")
-        return None, None
-    budget = parse_bytes(args.budget or DEFAULT_BUDGET)
-    if args.expert_blocks != "separate" or args.optimizer_state:
-        raise UsageError("--ekfac (an eigenbasis index) needs --expert_blocks separate and no --optimizer_state.")
-    factors = load_ekfac(args.ekfac)
-    sketch = factors.projection_dim
-    if (
-        args.no_projection
-        or args.projection_dim not in (DEFAULT_PROJECTION_DIM, sketch)
-        or args.seed not in (0, factors.seed)
-    ):
+
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun launch, or the only process."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def check_projection_flags(args: argparse.Namespace) -> None:
+    """`--projection_dim` and `--no_projection` together contradict each other."""
+    if args.no_projection and args.projection_dim is not None:
         raise UsageError(
-            f"--ekfac {args.ekfac}: an eigenbasis index uses the factors' sketch (projection_dim {sketch}, seed "
-            f"{factors.seed}); leave out --projection_dim, --no_projection and --seed."
+            f"--projection_dim {args.projection_dim} and --no_projection contradict each other; pass one of them."
         )
-    return factors, budget
 
 
 def index_projection(args: argparse.Namespace):
@@ -322,207 +195,71 @@ def index_projection(args: argparse.Namespace):
 
 
 def cmd_ekfac(args: argparse.Namespace) -> int:
-    from moe_attrib.data import DataError, fingerprint
-    from moe_attrib.distributed import setup
-    from moe_attrib.ekfac import FactorMemoryError, fit_ekfac
-    from moe_attrib.experts import LayoutError
-    from moe_attrib.fingerprint import FingerprintError, check_model
-    from moe_attrib.index import IndexFileError
+    from moe_attrib.attribution import fit_from_files
     from moe_attrib.projection import PROJECTION
 
-    try:
-        check_collection_args(args)
-        check_device(args.factor_device, "--factor_device")
-        check_out_dir(args.out, args.overwrite, "--out")
-        index = index_projection(args)
-    except (UsageError, IndexFileError) as err:
-        print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
-        return 2
+    check_projection_flags(args)
+    check_model_spec(args.model)  # before the index is read
+    check_device(args.device)
+    check_device(args.factor_device, "--factor_device")
+    check_out_dir(args.out, args.overwrite, "--out")
+    index_projection(args)
     args.seed = 0 if args.seed is None else args.seed
     if args.projection_dim is None:
-        from moe_attrib.index import DEFAULT_PROJECTION_DIM
-
         args.projection_dim = DEFAULT_PROJECTION_DIM
-    try:
-        dist = fit_model(args, setup(args.device, fsdp=args.fsdp), "ekfac")
-    except (RuntimeError, UsageError) as err:
-        print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
-        return 2
-    try:
-        with notes():
-            tokenizer, examples, model, pad = load_inputs(args, dist)
-            print_sharding_plan(args, model, dist, factors=True)
-            if index is not None:
-                check_model(index.manifest["settings"], model, tokenizer, what=f"index {args.index}")
-            collect = from_args(CollectSettings, args, projection_dim=projection(args))
-            result = fit_ekfac(
-                model,
-                examples,
-                from_args(EkfacSettings, args, factor_device=args.factor_device or dist.device),
-                collect=collect.replace(projection=getattr(args, "projection_kind", PROJECTION)),
-                pad_id=pad,
-                dist=dist,
-                progress=not args.quiet,
-            )
-    except (DataError, LayoutError, FactorMemoryError, FingerprintError, UsageError, ValueError) as err:
-        print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
-        return 2
-    if dist.is_main:
-        settings = data_settings(args, tokenizer)
-        settings.update(
-            model=model_name(args.model),
-            data_fingerprint=fingerprint(examples),
-            dtype=str(next(model.parameters()).dtype),
-        )
-        result.settings.update(settings)
-        result.save(args.out)
+    collect = from_args(CollectSettings, args, projection_dim=projection(args))
+    with value_errors(), notes():
+        fit_from_files(
+            args.model, args.data, args.out, from_args(EkfacSettings, args),
+            collect=collect.replace(projection=getattr(args, "projection_kind", PROJECTION)), index=args.index,
+            reading=from_args(DataSettings, args), precision=args.precision, device=args.device, fsdp=args.fsdp,
+            overwrite=args.overwrite, progress=not args.quiet, log=say,
+        )  # fmt: skip
+    if is_main_process():
         print(f"EK-FAC factors written to {args.out}")
-    dist.barrier()  # every rank leaves together, after rank 0 has written
     return 0
-
-
-def training_examples(settings: dict, tokenizer, text_field: str) -> list:
-    """The index's training examples (texts, record fields), read again from the recorded data; an
-    error when the data no longer tokenize to what the index was built from (texts would land on
-    the wrong rows)."""
-    from moe_attrib.data import DataError, fingerprint, load_examples
-
-    source = settings["data"]
-    try:
-        train = load_examples(
-            source,
-            tokenizer,
-            settings.get("text_field", text_field),
-            settings.get("max_length"),
-            bool(settings.get("truncate")),
-            settings.get("split"),
-        )
-    except DataError as err:
-        raise DataError(
-            f"cannot read the index's training data again for its texts: {err} (or pass --no_texts)."
-        ) from err
-    if fingerprint(train) != settings["data_fingerprint"]:
-        raise DataError(
-            f"the training data {source} changed since the index was built (its token fingerprint differs), so "
-            "texts would be attached to the wrong rows; restore it, or pass --no_texts to score without texts."
-        )
-    return train
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from moe_attrib.balance import check_memory as check_balance_memory
-    from moe_attrib.balance import resolve_balance
-    from moe_attrib.coupling import check_memory as check_coupling_memory
-    from moe_attrib.coupling import fit_coupling
-    from moe_attrib.data import DataError, check_context, check_token_ids, context_length, fingerprint, load_examples
-    from moe_attrib.eigenbasis import check_factors
-    from moe_attrib.ekfac import load_ekfac
-    from moe_attrib.ensemble import info_path, load_matrices, matrix_info
-    from moe_attrib.fingerprint import FingerprintError, check_model
-    from moe_attrib.index import IndexFileError, load_index
-    from moe_attrib.outputs import scratch, write_text
+    from moe_attrib.attribution import QueryReading, score_queries
     from moe_attrib.results import results_format, write_results
-    from moe_attrib.score import ScoreError, query_gradients, score
 
     if args.run:
         return cmd_score_run(args)
-    try:
-        check_model_spec(args.model)
-        check_device(args.device)
-        if (args.damping is not None or args.damping_scope is not None) and not args.ekfac:
-            raise UsageError("--damping / --damping_scope re-damp EK-FAC factors; give --ekfac DIR (without it "
-                             "nothing is preconditioned and they would change nothing).")  # fmt: skip
-        for path in args.average_with or []:
-            if args.all_scores and Path(path).resolve() == Path(args.all_scores).resolve():
-                raise UsageError(f"--all_scores {args.all_scores} is also given to --average_with.")
-        index = load_index(args.index)
-        settings = index.manifest["settings"]
-        check_score_outputs(args, settings)
-        results_format(args.out)
-        ekfac_dirs = args.ekfac or []
-        check_ekfac_dirs(ekfac_dirs, settings, args.index)
-        if settings.get("eigenbasis") and ekfac_dirs:  # the factors its rows were rotated with, before any work
-            check_factors(settings, load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]), args.index)
-        tokenizer = load_tokenizer(args.model, args.tokenizer or settings.get("tokenizer"))
-        check_model(settings, None, tokenizer, what=f"index {args.index}")
-        train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
-        queries = load_examples(args.queries, tokenizer, args.text_field, settings.get("max_length"), True)
-        if args.id_field:  # before any work: every query and training row must carry it
-            check_id_field(queries, args.id_field, args.queries)
-            if train is not None:
-                check_id_field(train, args.id_field, settings["data"])
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # --fsdp: its rank's
-        coupled = coupling_args(args)
-        if args.refine:  # the refined IHVP replaces EK-FAC, coupling and balance (docs/scoring.md#refinement)
-            coupled, ekfac_dirs, args.output_balance = check_refine(args, index), [], False
-        if coupled:  # before the model is loaded
-            check_coupling_memory(index, args.coupling_sample, device, args.coupling_rank)
-        balanced = args.output_balance and args.modules is None  # a --modules score is never balanced
-        if balanced:
-            check_balance_memory(index)
-        scored_with = (args.unit_normalize, args.modules, bool(ekfac_dirs), coupled, balanced)
-        own = matrix_info(index, fingerprint(queries), len(queries), *scored_with)
-        others = load_matrices(args.average_with, own) if args.average_with else []  # checked before any work
-        dtype = getattr(torch, settings["dtype"].removeprefix("torch."))
-        if args.fsdp:  # query gradients with the model sharded over torchrun's ranks; rank 0 scores
-            from moe_attrib.distributed import setup
-            from moe_attrib.sharding import load_sharded
 
-            try:
-                dist = setup(args.device, fsdp=True)
-            except RuntimeError as err:
-                raise UsageError(str(err)) from err
-            device, model = dist.device, load_sharded(args.model, dtype, dist)
-        else:
-            dist, model = None, load_model(args.model, dtype)
-        check_model(settings, model, what=f"index {args.index}")
-        check_token_ids(queries, model.get_input_embeddings().num_embeddings, args.queries)
-        check_context(queries, context_length(model), args.queries, truncate=False, can_truncate=False)
-        if dist is None:
-            model = model.to(device)
-        ekfac = load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]) if ekfac_dirs else None
-        pad = getattr(tokenizer, "pad_token_id", None) or 0
-        longest = max(len(ex.input_ids) for ex in queries)
-        q, query_counts = query_gradients(
-            model, queries, index, pad_id=pad, with_counts=True, token_batch_size=max(8192, longest)
-        )
-        if args.refine:
-            q = refine_cli(args, model, index, training_examples(settings, tokenizer, args.text_field), queries, pad)
-        if dist is not None and not dist.is_main:
-            return 0
-        if ekfac is not None and (args.damping is not None or args.damping_scope is not None):
-            damping = ekfac.settings.get("damping") if args.damping is None else args.damping
-            ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
-        opts = dict(ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules, device=device)
-        opts["coupling"] = fit_coupling(index, **opts, **coupled, progress=True) if coupled else None
-        if opts["coupling"] is not None:
-            st = opts["coupling"].settings
-            print(f"cross-module coupling: gamma {st['gamma']:g}, rank {st['rank']}, from {st['sample']} of "
-                  f"{st['rows']} index rows (--coupling_gamma 0 turns it off)")  # fmt: skip
-        opts["balance"] = resolve_balance(index, "auto" if balanced else None, **opts, progress=True)
-        if opts["balance"] is not None:
-            print(f"output-layer balance: lm_head's vote counted as much as the whole model's, spreads from "
-                  f"{opts['balance'].settings['sample']} index rows (--no-output_balance turns it off)")  # fmt: skip
-        with scratch(args.all_scores) as matrix:  # --all_scores's temporary name, renamed into place below
-            if others or args.all_scores:  # one pass over the index: the top-k is read back from the matrix
-                result = matrix_scores(args, index, q, others, opts, matrix)
-            else:
-                result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
-            records = result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, opts, result)
-            if args.all_scores:  # no moment where the old description sits beside the new matrix
-                info_path(args.all_scores).unlink(missing_ok=True)
-                os.replace(matrix, args.all_scores)
-                write_text(info_path(args.all_scores), json.dumps(own, indent=2))
-    except (DataError, IndexFileError, ScoreError, FingerprintError, UsageError, FileNotFoundError, ValueError) as err:
-        print(f"moe-attrib score: error: {err}", file=sys.stderr)
-        return 2
-    write_results(records, args.out)
-    print(f"scores for {len(queries)} queries written to {args.out}")
+    def check_files(index) -> None:  # before any compute: new outputs, none of them an input
+        check_score_outputs(args, index.manifest["settings"])
+        results_format(args.out)
+
+    reading = QueryReading(args.text_field, args.tokenizer, not args.no_texts, args.id_field)
+    with value_errors():
+        done = score_queries(
+            args.index, args.model, args.queries, from_args(ScoreSettings, args), ekfac=args.ekfac,
+            refine=from_args(RefineSettings, args), refine_ekfac=args.refine_ekfac, all_scores=args.all_scores,
+            average_with=args.average_with, reading=reading, device=args.device, fsdp=args.fsdp,
+            before_work=check_files, log=print,
+        )  # fmt: skip
+    if done is None:  # another rank than 0 of an --fsdp run
+        return 0
+    write_results(done.records, args.out)
+    print(f"scores for {len(done.queries)} queries written to {args.out}")
     if args.report:
         from moe_attrib.report import write_report
 
-        print(f"report written to {write_report(records, index, args.report)}")
+        print(f"report written to {write_report(done.records, done.index, args.report)}")
     return 0
+
+
+@contextlib.contextmanager
+def value_errors():
+    """A plain `ValueError` raised by the library for what a command line asked (an argument no module
+    matches, a budget that buys nothing) reaches `main()` as a `UsageError`: one line, exit status 2."""
+    try:
+        yield
+    except ValueError as err:
+        if isinstance(err, UsageError):
+            raise
+        raise UsageError(str(err)) from err
 
 
 def index_inputs(path: str, settings: dict) -> dict[str, str | None]:
@@ -558,48 +295,10 @@ def check_score_outputs(args: argparse.Namespace, settings: dict) -> None:
     check_outputs(outs, overwrite=args.overwrite, inputs=inputs)
 
 
-def check_id_field(examples: list, id_field: str, source: str) -> None:
-    """`--id_field` names a scalar field of every row of `source` (checked before any compute)."""
-    from moe_attrib.results import ResultsError
-
-    for ex in examples:
-        if id_field not in ex.fields:
-            raise ResultsError(
-                f"{source}: row {ex.index} has no scalar field {id_field!r} to use as --id_field "
-                f"(its fields: {sorted(ex.fields) or 'none besides the text'})."
-            )
-
-
-def check_refine(args: argparse.Namespace, index) -> dict:
-    """`score --refine`: what it cannot be combined with, refused before the model is loaded; no coupling."""
-    if args.refine < 0 or args.refine_damping <= 0:
-        raise UsageError(f"--refine {args.refine} / --refine_damping {args.refine_damping}: need N >= 0, D > 0.")
-    for flag, given in (("--ekfac", args.ekfac), ("--fsdp", args.fsdp), ("--average_with", args.average_with)):
-        if given:
-            raise UsageError(f"--refine replaces EK-FAC scoring and cannot be combined with {flag}.")
-    return {}
-
-
-def refine_cli(args: argparse.Namespace, model, index, train: list, queries: list, pad: int):
-    """`score --refine N`: the refined query rows (`moe_attrib.ihvp.refine_queries`), cost printed."""
-    import numpy as np
-
-    from moe_attrib.ekfac import load_ekfac
-    from moe_attrib.ihvp import refine_queries
-
-    ekfac = load_ekfac(args.refine_ekfac) if args.refine_ekfac else None
-    refined = refine_queries(
-        model, train, queries, index, from_args(RefineSettings, args), ekfac=ekfac, pad_id=pad, progress=True
-    )
-    print(f"refined {len(queries)} queries: {args.refine} CG iterations, {refined.products} GGN products per query "
-          f"over {refined.settings['examples']} training rows, median relative residual "
-          f"{float(np.median(refined.residuals[-1])):.3g}")  # fmt: skip
-    return refined
-
-
 def cmd_score_run(args: argparse.Namespace) -> int:
     """`score --run RUN_DIR MODEL QUERIES`: every checkpoint of a training run (`moe_attrib.trainer`), ranked by
     the mean of their scores (`moe_attrib.ensemble.score_run`); MODEL gives the tokenizer."""
+    from moe_attrib.attribution import training_examples
     from moe_attrib.data import load_examples
     from moe_attrib.ensemble import score_run
     from moe_attrib.outputs import check_outputs
@@ -635,60 +334,6 @@ def cmd_score_run(args: argparse.Namespace) -> int:
 
         print(f"report written to {write_report(records, run.index, args.report)}")
     return 0
-
-
-def matrix_scores(args: argparse.Namespace, index, q, others: list, opts: dict, matrix: Path):
-    """`score --all_scores` / `--average_with`: the top-k of this run's score matrix (written to
-    `matrix`, `--all_scores`'s temporary name, else a temporary file), or of its mean with `others`
-    (other checkpoints', checked by `load_matrices`), in one pass over the index; per-module parts, if
-    asked, are this checkpoint's part of each hit."""
-    import tempfile
-
-    from moe_attrib.ensemble import mean_top_k
-    from moe_attrib.score import Scores, hit_parts, score_matrix
-
-    with tempfile.TemporaryDirectory(prefix="moe-attrib-scores-") as tmp:
-        out = matrix if args.all_scores else Path(tmp) / "scores.npy"
-        mine = score_matrix(index, q, out=out, progress=True, **opts)
-        values, rows = mean_top_k([mine, *others], args.top_k)
-        del mine
-    parts = hit_parts(index, q, rows, **opts) if args.per_module else None
-    if others:
-        print(f"ranked by the mean of {len(others) + 1} score matrices (this run's and --average_with's)")
-    return Scores(values, rows, parts)
-
-
-def result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, opts, result) -> list[dict]:
-    """Score records with the query's routing and, for a token index, the hit examples' token shares."""
-    import numpy as np
-
-    from moe_attrib.details import token_scores
-    from moe_attrib.results import score_records
-
-    shares = None
-    if index.token_offsets is not None:
-        positions = np.searchsorted(index.token_offsets, result.rows.reshape(-1), side="right") - 1
-        shares = token_scores(
-            index,
-            q,
-            positions.tolist(),
-            ekfac=ekfac,
-            unit_normalize=args.unit_normalize,
-            modules=args.modules,
-            coupling=opts["coupling"],
-            balance=opts["balance"],
-        )
-    return score_records(
-        queries,
-        result,
-        index,
-        train,
-        id_field=args.id_field,
-        query_counts=query_counts,
-        token_scores=shares,
-        tokenizer=tokenizer,
-        query_source=args.queries,
-    )
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -777,11 +422,7 @@ def add_collection_args(parser: argparse.ArgumentParser) -> None:
         help="dtype the model runs in (auto: bf16 on a CUDA device that has it, else fp32)",
     )
     add_flags(parser, CollectSettings, ["token_batch_size"])
-    parser.add_argument("--max_length", type=positive_int, default=None, help="longest example (see --truncate)")
-    parser.add_argument("--truncate", action="store_true", help="cut examples longer than --max_length")
-    parser.add_argument("--text_field", default="text", help="field of each record that holds its text")
-    parser.add_argument("--split", default=None, help="split of a datasets directory / hub dataset (default: train)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory, for a model directory without one")
+    add_flags(parser, DataSettings, ["max_length", "truncate", "text_field", "split", "tokenizer"])
     parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--fsdp", action="store_true", help=FSDP_HELP)
@@ -840,13 +481,6 @@ def add_coupling_args(parser: argparse.ArgumentParser) -> None:
     """`--coupling_gamma/_rank/_sample`: the cross-module coupling of the scores, and `--output_balance`
     (docs/scoring.md)."""
     add_flags(parser, ScoreSettings, ["coupling_gamma", "coupling_rank", "coupling_sample", "output_balance"])
-
-
-def coupling_args(args: argparse.Namespace) -> dict | None:
-    """The coupling's settings as given (None: off); they are part of how a score matrix was scored."""
-    if args.coupling_gamma == 0:
-        return None
-    return {"gamma": args.coupling_gamma, "rank": args.coupling_rank, "sample": args.coupling_sample}
 
 
 def projection(args: argparse.Namespace) -> int | None:

@@ -271,6 +271,18 @@ class CollectSettings(Settings):
 
 
 @dataclass(frozen=True)
+class DataSettings(Settings):
+    """How a training data file is read into examples (recorded by indexes and factors, so that `score`
+    reads the same rows again)."""
+
+    max_length: int | None = setting(None, "longest example (see --truncate)", type=positive_int)
+    truncate: bool = setting(False, "cut examples longer than --max_length", action="store_true")
+    text_field: str = setting("text", "field of each record that holds its text")
+    split: str | None = setting(None, "split of a datasets directory / hub dataset (default: train)")
+    tokenizer: str | None = setting(None, "tokenizer directory, for a model directory without one")
+
+
+@dataclass(frozen=True)
 class EkfacSettings(Settings):
     """How EK-FAC factors are fitted (`fit_ekfac`) besides the collection settings they share."""
 

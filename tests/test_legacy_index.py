@@ -64,3 +64,29 @@ def test_settings_from_a_future_version_are_refused(what, tmp_path):
     described.write_text(json.dumps(info))
     with pytest.raises(SettingsVersionError, match=r"settings version 99, newer .* upgrade moe-attrib"):
         (load_index if what == "index" else load_ekfac)(copy)
+
+
+def test_build_and_ekfac_write_what_0_1_0_wrote(tmp_path):
+    """The same commands give the same rows, factors and manifest (only `settings_version` is new)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    train = str(LEGACY / "train.jsonl")
+    common = ["tiny:mixtral", train, "--quiet", "--device", "cpu"]
+    assert main(["build", *common, "--index", str(tmp_path / "index"), "--projection_dim", "4"]) == 0
+    assert main(["ekfac", *common, "--out", str(tmp_path / "ekfac"), "--index", str(tmp_path / "index")]) == 0
+    for name in ("gradients.npy", "losses.npy", "expert_counts.npy"):
+        np.testing.assert_allclose(np.load(tmp_path / "index" / name), np.load(LEGACY / "index" / name), rtol=1e-6)
+    new, old = (
+        load_file(tmp_path / "ekfac" / "factors.safetensors"),
+        load_file(LEGACY / "ekfac" / "factors.safetensors"),
+    )
+    assert sorted(new) == sorted(old)
+    for key in old:
+        np.testing.assert_allclose(new[key], old[key], rtol=1e-6, err_msg=key)
+    for path in ("index/manifest.json", "ekfac/ekfac.json"):
+        got, want = json.loads((tmp_path / path).read_text()), json.loads((LEGACY / path).read_text())
+        assert got.pop("settings_version") == 1
+        assert got["settings"].pop("data") == str(Path(train).resolve())  # recorded where it was built
+        want["settings"].pop("data")
+        assert got == want, path
