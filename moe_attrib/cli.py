@@ -338,73 +338,57 @@ def cmd_score_run(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from moe_attrib.report import show_text
-    from moe_attrib.results import ResultsError, read_results
+    from moe_attrib.results import read_results
 
-    try:
-        records = read_results(args.scores)
-    except ResultsError as err:
-        print(f"moe-attrib show: error: {err}", file=sys.stderr)
-        return 2
+    records = read_results(args.scores)
     print(show_text(records, top=args.top, experts=args.experts))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from moe_attrib.index import IndexFileError, load_index
+    from moe_attrib.index import load_index
     from moe_attrib.outputs import check_output
     from moe_attrib.report import write_report
     from moe_attrib.results import ResultsError, index_fingerprint, read_results
 
-    try:
-        index = load_index(args.index)
-        inputs = {"the scores file being read": args.scores, **index_inputs(args.index, index.manifest["settings"])}
-        check_output(args.out, "--out", overwrite=args.overwrite, inputs=inputs)
-        records = read_results(args.scores)
-        own = index_fingerprint(index)
-        carried = sorted({r["index_fingerprint"] for r in records if "index_fingerprint" in r})
-        if carried and carried != [own]:
-            raise ResultsError(
-                f"{args.scores}: computed against another index than {args.index} (index fingerprint "
-                f"{', '.join(carried)} vs {own}: another model, training data or build settings), so its routing "
-                "and summary would be another model's; give the --index these scores were computed against."
-            )
-        if not carried and records:
-            print(f"NOTE: {args.scores} carries no index fingerprint (written by an older moe-attrib); only its "
-                  "example numbers are checked against the index.", file=sys.stderr)  # fmt: skip
-        unknown = sorted({h["example"] for r in records for h in r["results"]} - set(index.manifest["example_ids"]))
-        if unknown:
-            raise ResultsError(
-                f"{args.scores}: examples {unknown[:5]} are not in the index {args.index}; "
-                "give the index these scores were computed against."
-            )
-    except (ResultsError, IndexFileError, UsageError) as err:
-        print(f"moe-attrib report: error: {err}", file=sys.stderr)
-        return 2
+    index = load_index(args.index)
+    inputs = {"the scores file being read": args.scores, **index_inputs(args.index, index.manifest["settings"])}
+    check_output(args.out, "--out", overwrite=args.overwrite, inputs=inputs)
+    records = read_results(args.scores)
+    own = index_fingerprint(index)
+    carried = sorted({r["index_fingerprint"] for r in records if "index_fingerprint" in r})
+    if carried and carried != [own]:
+        raise ResultsError(
+            f"{args.scores}: computed against another index than {args.index} (index fingerprint "
+            f"{', '.join(carried)} vs {own}: another model, training data or build settings), so its routing "
+            "and summary would be another model's; give the --index these scores were computed against."
+        )
+    if not carried and records:
+        print(f"NOTE: {args.scores} carries no index fingerprint (written by an older moe-attrib); only its "
+              "example numbers are checked against the index.", file=sys.stderr)  # fmt: skip
+    unknown = sorted({h["example"] for r in records for h in r["results"]} - set(index.manifest["example_ids"]))
+    if unknown:
+        raise ResultsError(
+            f"{args.scores}: examples {unknown[:5]} are not in the index {args.index}; "
+            "give the index these scores were computed against."
+        )
     print(f"report written to {write_report(records, index, args.out, top=args.top)}")
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from moe_attrib.info import InfoError, format_summary, summarize
+    from moe_attrib.info import format_summary, summarize
 
-    try:
-        print(format_summary(summarize(args.dir)))
-    except InfoError as err:
-        print(f"moe-attrib info: error: {err}", file=sys.stderr)
-        return 2
+    print(format_summary(summarize(args.dir)))
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from moe_attrib.demo import DemoError, run_demo
+    from moe_attrib.demo import run_demo
 
     warnings.filterwarnings("ignore", message=".*--track_moe_experts.*")
-    try:
-        run_demo(args.out, steps=args.steps, seed=args.seed, projection_dim=args.projection_dim,
-                 progress=not args.quiet, overwrite=args.overwrite)  # fmt: skip
-    except DemoError as err:
-        print(f"moe-attrib demo: error: {err}", file=sys.stderr)
-        return 2
+    run_demo(args.out, steps=args.steps, seed=args.seed, projection_dim=args.projection_dim,
+             progress=not args.quiet, overwrite=args.overwrite)  # fmt: skip
     return 0
 
 
