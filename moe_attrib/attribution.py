@@ -43,7 +43,7 @@ from moe_attrib.data import (
 )
 from moe_attrib.index import Index, load_index
 from moe_attrib.loading import load_model, load_tokenizer, model_name, resolve_precision
-from moe_attrib.score import Scores, hit_parts, query_gradients, score, score_matrix
+from moe_attrib.score import Scores
 from moe_attrib.settings import (
     DEFAULT_BUDGET,
     DEFAULT_PROJECTION_DIM,
@@ -328,6 +328,7 @@ def score_queries(
     device: str | None = None,
     fsdp: bool = False,
     before_work: Callable[[Index], None] | None = None,
+    progress: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> ScoredQueries | None:
     """Score the queries in the file `queries` against the index directory `index` built from `model`.
@@ -340,8 +341,8 @@ def score_queries(
     checkpoints' such matrices. `reading` says how queries and training texts are read (`QueryReading`).
     Everything is checked before any compute; `before_work(index)` runs then (the CLI checks its output
     files there). `fsdp` shards the model over torchrun's ranks for the query gradients: only rank 0
-    scores, the others return None. `log` receives one line per step taken (coupling, balance,
-    refinement), e.g. `print`."""
+    scores, the others return None. `progress` shows progress bars; `log` receives one line per step
+    taken (coupling, balance, refinement), e.g. `print`."""
     st = settings or ScoreSettings()
     reading = reading or QueryReading()
     refining = refine is not None and refine.iterations != 0
@@ -360,6 +361,7 @@ def score_queries(
     from moe_attrib.ensemble import info_path, load_matrices, matrix_info
     from moe_attrib.fingerprint import check_model
     from moe_attrib.outputs import scratch, write_text
+    from moe_attrib.score import query_gradients, score
 
     idx = load_index(index)
     recorded = idx.manifest["settings"]
@@ -418,20 +420,20 @@ def score_queries(
     )
     if refining:
         q = refined_rows(net, idx, training_examples(recorded, tokenizer, reading.text_field), examples, pad,
-                         refine, refine_ekfac, say)  # fmt: skip
+                         refine, refine_ekfac, progress, say)  # fmt: skip
     if dist is not None and not dist.is_main:
         return None
     if factors is not None and (st.damping is not None or st.damping_scope is not None):
         damping = factors.settings.get("damping") if st.damping is None else st.damping
         factors = factors.with_damping(damping, st.damping_scope or factors.settings.get("damping_scope", "expert"))
-    coupling, balance = fit_corrections(idx, factors, st, coupled, dev, say)
+    coupling, balance = fit_corrections(idx, factors, st, coupled, dev, progress, say)
     opts = dict(ekfac=factors, unit_normalize=st.unit_normalize, modules=st.modules, coupling=coupling,
                 balance=balance, device=dev)  # fmt: skip
     with scratch(all_scores) as matrix:  # all_scores's temporary name, renamed into place below
         if others or all_scores:  # one pass over the index: the top-k is read back from the matrix
-            result = matrix_top_k(idx, q, others, opts, st, matrix if all_scores else None, say)
+            result = matrix_top_k(idx, q, others, opts, st, matrix if all_scores else None, progress, say)
         else:
-            result = score(idx, q, top_k=st.top_k, per_module=st.per_module, progress=True, **opts)
+            result = score(idx, q, top_k=st.top_k, per_module=st.per_module, progress=progress, **opts)
         records = result_records(idx, examples, train, tokenizer, q, query_counts, opts, result, reading, queries)
         if all_scores:  # no moment where the old description sits beside the new matrix
             info_path(all_scores).unlink(missing_ok=True)
@@ -453,18 +455,18 @@ class QueryReading:
     id_field: str | None = None
 
 
-def fit_corrections(index: Index, factors, st: ScoreSettings, coupled: dict | None, device, say):
+def fit_corrections(index: Index, factors, st: ScoreSettings, coupled: dict | None, device, progress: bool, say):
     """The cross-module coupling (fitted when `coupled`) and the output-layer balance (`st.balanced`)."""
     from moe_attrib.balance import resolve_balance
     from moe_attrib.coupling import fit_coupling
 
     opts = dict(ekfac=factors, unit_normalize=st.unit_normalize, modules=st.modules, device=device)
-    coupling = fit_coupling(index, **opts, **coupled, progress=True) if coupled else None
+    coupling = fit_coupling(index, **opts, **coupled, progress=progress) if coupled else None
     if coupling is not None:
         c = coupling.settings
         say(f"cross-module coupling: gamma {c['gamma']:g}, rank {c['rank']}, from {c['sample']} of "
             f"{c['rows']} index rows (--coupling_gamma 0 turns it off)")  # fmt: skip
-    balance = resolve_balance(index, "auto" if st.balanced else None, **opts, coupling=coupling, progress=True)
+    balance = resolve_balance(index, "auto" if st.balanced else None, **opts, coupling=coupling, progress=progress)
     if balance is not None:
         say(f"output-layer balance: lm_head's vote counted as much as the whole model's, spreads from "
             f"{balance.settings['sample']} index rows (--no-output_balance turns it off)")  # fmt: skip
@@ -519,28 +521,30 @@ def check_refine(refine: RefineSettings, *, ekfac, fsdp: bool, average_with) -> 
 
 
 def refined_rows(model, index: Index, train: list, queries: list, pad: int, refine: RefineSettings,
-                 refine_ekfac: str | None, say):  # fmt: skip
+                 refine_ekfac: str | None, progress: bool, say):  # fmt: skip
     """The refined query rows (`moe_attrib.ihvp.refine_queries`), their cost said."""
     from moe_attrib.ekfac import load_ekfac
     from moe_attrib.ihvp import refine_queries
 
     factors = load_ekfac(refine_ekfac) if refine_ekfac else None
-    refined = refine_queries(model, train, queries, index, refine, ekfac=factors, pad_id=pad, progress=True)
+    refined = refine_queries(model, train, queries, index, refine, ekfac=factors, pad_id=pad, progress=progress)
     say(f"refined {len(queries)} queries: {refine.iterations} CG iterations, {refined.products} GGN products per "
         f"query over {refined.settings['examples']} training rows, median relative residual "
         f"{float(np.median(refined.residuals[-1])):.3g}")  # fmt: skip
     return refined
 
 
-def matrix_top_k(index: Index, q, others: list, opts: dict, st: ScoreSettings, matrix: Path | None, say) -> Scores:
+def matrix_top_k(index: Index, q, others: list, opts: dict, st: ScoreSettings, matrix: Path | None, progress: bool,
+                 say) -> Scores:  # fmt: skip
     """The top-k of this run's score matrix (written to `matrix`, else a temporary file), or of its mean
     with `others` (other checkpoints', checked by `load_matrices`), in one pass over the index;
     per-module parts, if asked, are this checkpoint's part of each hit."""
     from moe_attrib.ensemble import mean_top_k
+    from moe_attrib.score import hit_parts, score_matrix
 
     with tempfile.TemporaryDirectory(prefix="moe-attrib-scores-") as tmp:
         out = matrix if matrix is not None else Path(tmp) / "scores.npy"
-        mine = score_matrix(index, q, out=out, progress=True, **opts)
+        mine = score_matrix(index, q, out=out, progress=progress, **opts)
         values, rows = mean_top_k([mine, *others], st.top_k)
         del mine
     parts = hit_parts(index, q, rows, **opts) if st.per_module else None
