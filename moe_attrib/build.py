@@ -292,12 +292,12 @@ def build_index(
     return final
 
 
-def rows_of(out, report, blocks, expert_blocks: str, per_token: bool, plan: EigenPlan | None) -> torch.Tensor:
+def rows_of(out, report, blocks, expert_blocks: str, attribute_tokens: bool, plan: EigenPlan | None) -> torch.Tensor:
     """A batch's float32 rows in the index's column layout: seeded projections' blocks, or an
     eigenbasis plan's (`EigenPlan.flatten`)."""
     if plan is not None:
-        return plan.flatten(out, per_token=per_token)
-    return flatten_rows(out, report, blocks, expert_blocks, per_token=per_token)
+        return plan.flatten(out, attribute_tokens=attribute_tokens)
+    return flatten_rows(out, report, blocks, expert_blocks, attribute_tokens=attribute_tokens)
 
 
 def check_eigenbasis(ekfac: EKFAC, weights: str, expert_blocks: str, optimizer_state: str | None) -> None:

@@ -261,11 +261,11 @@ class EigenPlan:
             mat = self._mats[key] = q.to(like.dtype).contiguous()
         return mat
 
-    def flatten(self, grads: dict, per_token: bool = False) -> torch.Tensor:
+    def flatten(self, grads: dict, attribute_tokens: bool = False) -> torch.Tensor:
         """float32 rows `[N, dim]` (`[N, S, dim]` per token) in plan order from a fused `collect` result
         made with `projector`: each block's rectangle, a folded bias added as its weight's extra input
         direction; targets that received no gradient (`grads.missing`) give zeros."""
-        lead = 2 if per_token else 1
+        lead = 2 if attribute_tokens else 1
         missing = getattr(grads, "missing", frozenset())
         parts = []
         for t in self.targets:

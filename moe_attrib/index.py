@@ -133,15 +133,17 @@ def column_plan(
     return blocks
 
 
-def flatten_rows(grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, per_token: bool = False):
+def flatten_rows(
+    grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, attribute_tokens: bool = False
+):
     """`flatten_batch` on the result's device: float32 `torch.Tensor` rows from one `torch.cat`, no host sync."""
     import torch
 
-    lead = 2 if per_token else 1
+    lead = 2 if attribute_tokens else 1
     parts = []
     for grads_key, lay, _proj, _key, _shape in _entries(report):
         value = grads[grads_key]  # experts: [N, (S,) E, ...]
-        if lay is not None and expert_blocks == "sum" and not per_token:
+        if lay is not None and expert_blocks == "sum" and not attribute_tokens:
             value = value.sum(dim=1)
         parts.append(value.float().reshape(*value.shape[:lead], -1))
     rows = torch.cat(parts, dim=-1)
@@ -151,11 +153,11 @@ def flatten_rows(grads: dict, report: CoverageReport, blocks: list[Block], exper
 
 
 def flatten_batch(
-    grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, per_token: bool = False
+    grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, attribute_tokens: bool = False
 ) -> np.ndarray:
     """Rows in plan order from a `collect(..., fused_experts=True)` result: `[N, dim]`, or
-    `[N, S, dim]` for a `per_token=True` result (whose experts are already summed for "sum")."""
-    return flatten_rows(grads, report, blocks, expert_blocks, per_token).cpu().numpy()
+    `[N, S, dim]` for an `attribute_tokens=True` result (whose experts are already summed for "sum")."""
+    return flatten_rows(grads, report, blocks, expert_blocks, attribute_tokens).cpu().numpy()
 
 
 def part_dir(path: str | Path) -> Path:

@@ -90,3 +90,16 @@ def test_build_and_ekfac_write_what_0_1_0_wrote(tmp_path):
         assert got["settings"].pop("data") == str(Path(train).resolve())  # recorded where it was built
         want["settings"].pop("data")
         assert got == want, path
+
+
+def test_score_queries_from_python_gives_the_recorded_records():
+    """The Python pipeline (`moe_attrib.attribution.score_queries`) is the command: the same records."""
+    from moe_attrib.attribution import QueryReading, score_queries
+    from moe_attrib.settings import ScoreSettings
+
+    done = score_queries(
+        LEGACY / "index", "tiny:mixtral", str(LEGACY / "queries.jsonl"), ScoreSettings(top_k=3, per_module=True),
+        ekfac=str(LEGACY / "ekfac"), reading=QueryReading(texts=False), device="cpu", progress=False,
+    )  # fmt: skip
+    same(done.records, read(LEGACY / "expected-index-ekfac.jsonl"))
+    assert done.coupling is not None and done.balance is not None
