@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -115,6 +116,11 @@ def setting(default: Any, help: str | None = None, flag: str | None = None, pars
         cli["default"] = cli.pop("cli_default")
     meta = {"help": help, "flag": flag, "parse": parse, "cli": cli}
     return field(default=default, metadata=meta)
+
+
+def switched_off_by(flag: str, help: str, default: bool = True) -> Any:
+    """A setting on by `default` that the command-line switch `flag` turns off (`--no_fold_bias`)."""
+    return setting(default, help, flag=flag, parse=operator.not_, action="store_true", cli_default=False)
 
 
 S = TypeVar("S", bound="Settings")
@@ -293,21 +299,15 @@ class EkfacSettings(Settings):
         DEFAULT_DAMPING_SCOPE, "mean over each expert, each module (all its experts) or the whole model",
         choices=DAMPING_SCOPES,
     )  # fmt: skip
-    sampled_labels: bool = setting(
-        DEFAULT_SAMPLED_LABELS,
+    sampled_labels: bool = switched_off_by(
+        "--empirical_fisher",
         "use the data's labels (empirical Fisher) instead of labels drawn from the model (true Fisher)",
-        flag="--empirical_fisher",
-        parse=lambda empirical: not empirical,
-        action="store_true",
-        cli_default=False,
+        DEFAULT_SAMPLED_LABELS,
     )
-    fold_bias: bool = setting(
-        DEFAULT_FOLD_BIAS,
+    fold_bias: bool = switched_off_by(
+        "--no_fold_bias",
         "leave biases unpreconditioned instead of folding each into its weight's factors (a ones column)",
-        flag="--no_fold_bias",
-        parse=lambda no_fold: not no_fold,
-        action="store_true",
-        cli_default=False,
+        DEFAULT_FOLD_BIAS,
     )
     max_memory_gib: float | None = setting(
         None, "GiB; refuse to fit above it", flag="--max_factor_memory", type=positive_float
