@@ -47,14 +47,13 @@ from moe_attrib.score import Scores
 from moe_attrib.settings import (
     DEFAULT_BUDGET,
     DEFAULT_PROJECTION_DIM,
+    PRECISIONS,
     CollectSettings,
     DataSettings,
     EkfacSettings,
     RefineSettings,
     ScoreSettings,
 )
-
-PRECISIONS = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 def build_from_files(
@@ -203,15 +202,15 @@ def index_collection(index: str | Path | None, collect: CollectSettings | None, 
 
     idx = load_index(index)
     recorded = idx.manifest["settings"]
-    own = {"projection_dim": recorded["projection_dim"], "seed": recorded["seed"],
-           "projection": projection_kind(recorded), "track_moe_experts": bool(recorded.get("track_moe_experts")),
-           "filter_modules": recorded.get("filter_modules")}  # fmt: skip
+    st = idx.settings.collect
+    own = {"projection_dim": st.projection_dim, "seed": st.seed, "projection": projection_kind(recorded),
+           "track_moe_experts": bool(st.track_moe_experts), "filter_modules": st.filter_modules}  # fmt: skip
     collect = collect or CollectSettings(**own)
     differ = [k for k, v in own.items() if getattr(collect, k) != v]
     if differ:
         raise UsageError(f"{', '.join(differ)} differ from the index {index}'s; fit its factors with its settings.")
     if precision == "auto":  # the index's weights fingerprint is of the model in the index's dtype
-        precision = PRECISIONS.get(recorded.get("dtype"), "auto")
+        precision = PRECISIONS.get(idx.settings.dtype, "auto")
     return idx, collect, precision
 
 
@@ -364,20 +363,20 @@ def score_queries(
     from moe_attrib.score import query_gradients, score
 
     idx = load_index(index)
-    recorded = idx.manifest["settings"]
+    recorded, made = idx.manifest["settings"], idx.settings  # raw: for the checks that take either kind
     if before_work is not None:
         before_work(idx)
     check_ekfac_dirs(ekfac_dirs, recorded, str(index))
-    if recorded.get("eigenbasis") and ekfac_dirs:  # the factors its rows were rotated with, before any work
+    if made.eigenbasis and ekfac_dirs:  # the factors its rows were rotated with, before any work
         check_factors(recorded, load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]), str(index))
-    tokenizer = load_tokenizer(model, reading.tokenizer or recorded.get("tokenizer"))
+    tokenizer = load_tokenizer(model, reading.tokenizer or made.reading.tokenizer)
     check_model(recorded, None, tokenizer, what=f"index {index}")
     train = training_examples(recorded, tokenizer, reading.text_field) if reading.texts else None
-    examples = load_examples(queries, tokenizer, reading.text_field, recorded.get("max_length"), True)
+    examples = load_examples(queries, tokenizer, reading.text_field, made.reading.max_length, True)
     if reading.id_field:  # before any work: every query and training row must carry it
         check_id_field(examples, reading.id_field, str(queries))
         if train is not None:
-            check_id_field(train, reading.id_field, recorded["data"])
+            check_id_field(train, reading.id_field, made.data)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))  # under fsdp: its rank's
     coupled = st.coupling
     if refining:  # the refined IHVP replaces EK-FAC, coupling and balance (docs/scoring.md#refinement)
@@ -394,7 +393,7 @@ def score_queries(
     own = matrix_info(idx, fingerprint(examples), len(examples), st.unit_normalize, st.modules, bool(ekfac_dirs),
                       coupled, st.balanced)  # fmt: skip
     others = load_matrices(average_with, own) if average_with else []  # checked before any work
-    dtype = getattr(torch, recorded["dtype"].removeprefix("torch."))
+    dtype = getattr(torch, made.torch_dtype_name)
     dist = None
     if fsdp:  # query gradients with the model sharded over torchrun's ranks; rank 0 scores
         from moe_attrib.distributed import setup

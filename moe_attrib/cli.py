@@ -26,9 +26,11 @@ from moe_attrib.distributed import teardown
 from moe_attrib.loading import load_model, load_tokenizer, resolve_precision
 from moe_attrib.settings import (
     DEFAULT_PROJECTION_DIM,
+    PRECISIONS,
     CollectSettings,
     DataSettings,
     EkfacSettings,
+    IndexSettings,
     RefineSettings,
     ScoreSettings,
     add_flags,
@@ -159,23 +161,22 @@ def index_projection(args: argparse.Namespace):
     from moe_attrib.projection import projection_kind
 
     index = load_index(args.index)
-    st = index.manifest["settings"]
+    made = index.settings
+    st = made.collect
     if args.projection_dim is None and not args.no_projection:
-        args.projection_dim = st["projection_dim"]
-        args.no_projection = st["projection_dim"] is None
+        args.projection_dim = st.projection_dim
+        args.no_projection = st.projection_dim is None
     if args.seed is None:
-        args.seed = st["seed"]
-    args.projection_kind = projection_kind(st)
+        args.seed = st.seed
+    args.projection_kind = projection_kind(index.manifest["settings"])
     if args.precision == "auto":  # the index's weights fingerprint is of the model in the index's dtype
-        args.precision = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(
-            st.get("dtype"), "auto"
-        )
-    if (projection(args), args.seed) != (st["projection_dim"], st["seed"]):
+        args.precision = PRECISIONS.get(made.dtype, "auto")
+    if (projection(args), args.seed) != (st.projection_dim, st.seed):
         raise UsageError(
             f"--projection_dim {args.projection_dim} --seed {args.seed} differ from the index {args.index} "
-            f"(projection_dim {st['projection_dim']}, seed {st['seed']}); leave them out to use the index's."
+            f"(projection_dim {st.projection_dim}, seed {st.seed}); leave them out to use the index's."
         )
-    if args.track_moe_experts != bool(st.get("track_moe_experts")):
+    if args.track_moe_experts != st.track_moe_experts:
         if args.track_moe_experts:
             raise UsageError(
                 f"--track_moe_experts: the index {args.index} was built without it, so its rows have no expert "
@@ -184,13 +185,13 @@ def index_projection(args: argparse.Namespace):
         args.track_moe_experts = True
         print(f"NOTE: the index {args.index} tracks the experts; fitting their factors too (--track_moe_experts).",
               file=sys.stderr)  # fmt: skip
-    if args.filter_modules != st.get("filter_modules"):
+    if args.filter_modules != st.filter_modules:
         if args.filter_modules is not None:
             raise UsageError(
                 f"--filter_modules {args.filter_modules!r} differs from the index {args.index}'s "
-                f"({st.get('filter_modules')!r}); leave it out to use the index's."
+                f"({st.filter_modules!r}); leave it out to use the index's."
             )
-        args.filter_modules = st.get("filter_modules")
+        args.filter_modules = st.filter_modules
     return index
 
 
@@ -228,7 +229,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         return cmd_score_run(args)
 
     def check_files(index) -> None:  # before any compute: new outputs, none of them an input
-        check_score_outputs(args, index.manifest["settings"])
+        check_score_outputs(args, index.settings)
         results_format(args.out)
 
     reading = QueryReading(args.text_field, args.tokenizer, not args.no_texts, args.id_field)
@@ -262,19 +263,19 @@ def value_errors():
         raise UsageError(str(err)) from err
 
 
-def index_inputs(path: str, settings: dict) -> dict[str, str | None]:
+def index_inputs(path: str, settings: IndexSettings) -> dict[str, str | None]:
     """The files an index records (and the index itself): no command's output may replace them."""
     recorded = {
         "the index": path,
-        "the training data the index records": settings.get("data"),
-        "the tokenizer the index records": settings.get("tokenizer"),
-        "the optimizer state the index records": settings.get("optimizer_state"),
-        "the model the index records": settings.get("model"),
+        "the training data the index records": settings.data,
+        "the tokenizer the index records": settings.reading.tokenizer,
+        "the optimizer state the index records": settings.collect.optimizer_state,
+        "the model the index records": settings.model,
     }
     return {what: p for what, p in recorded.items() if p and Path(p).exists()}
 
 
-def check_score_outputs(args: argparse.Namespace, settings: dict) -> None:
+def check_score_outputs(args: argparse.Namespace, settings: IndexSettings) -> None:
     """`score`'s output files: new (or `--overwrite`), distinct, and none of the run's inputs."""
     from moe_attrib.ensemble import info_path
     from moe_attrib.outputs import check_outputs
@@ -352,7 +353,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from moe_attrib.results import ResultsError, index_fingerprint, read_results
 
     index = load_index(args.index)
-    inputs = {"the scores file being read": args.scores, **index_inputs(args.index, index.manifest["settings"])}
+    inputs = {"the scores file being read": args.scores, **index_inputs(args.index, index.settings)}
     check_output(args.out, "--out", overwrite=args.overwrite, inputs=inputs)
     records = read_results(args.scores)
     own = index_fingerprint(index)

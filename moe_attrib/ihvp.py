@@ -334,10 +334,10 @@ def to_index_columns(index: Index, report: CoverageReport, entries: list[Entry],
     """Full-size vectors `[Q, *shape]` as index columns `[Q, dim]` float32: each side projected as the
     index projects a per-example gradient (`P_out^T W P_in` in the stored orientation, a bias `b P_out`;
     sides the projection keeps exact stay as they are), experts per expert, in the column plan."""
-    st = index.manifest["settings"]
-    p, kind = st["projection_dim"], projection_kind(st)
+    st = index.settings.collect
+    p, kind = st.projection_dim, projection_kind(index.manifest["settings"])
     device = vectors[0].device
-    proj = Projections(p, st["seed"], device, torch.float32, kind) if p else None
+    proj = Projections(p, st.seed, device, torch.float32, kind) if p else None
     grads = {}
     for e, v in zip(entries, vectors, strict=True):
         v = v.float()
@@ -359,7 +359,7 @@ def to_index_columns(index: Index, report: CoverageReport, entries: list[Entry],
                 v = v if left is None else left.transpose(-1, -2) @ v
                 v = v if right is None else v @ right
         grads[e.key] = v
-    return flatten_rows(grads, report, index.blocks, st["expert_blocks"]).cpu()
+    return flatten_rows(grads, report, index.blocks, st.expert_blocks).cpu()
 
 
 # -- the whole refinement --------------------------------------------------------------------------
@@ -407,12 +407,12 @@ def refine_queries(
     token_batch_size, query_batch, vector_batch = rs.token_batch_size, rs.query_batch, rs.vector_batch
     if iterations < 0 or damping <= 0:
         raise RefineError(f"refinement needs iterations >= 0 and damping > 0, not {iterations} and {damping}.")
-    st = index.manifest["settings"]
-    check_model(st, model, what=f"index {index.path}")
-    if st.get("optimizer_state"):
+    recorded, st = index.manifest["settings"], index.settings.collect
+    check_model(recorded, model, what=f"index {index.path}")
+    if st.optimizer_state:
         raise RefineError(f"index {index.path} normalises rows by optimizer state; refinement supports plain rows.")
-    report = discover(model, track_moe_experts=st["track_moe_experts"], filter_modules=st["filter_modules"], warn=False)
-    blocks = column_plan(report, st["projection_dim"], st["expert_blocks"], projection_kind(st))
+    report = discover(model, track_moe_experts=st.track_moe_experts, filter_modules=st.filter_modules, warn=False)
+    blocks = column_plan(report, st.projection_dim, st.expert_blocks, projection_kind(recorded))
     if [(b.name, b.start, b.stop) for b in blocks] != [(b.name, b.start, b.stop) for b in index.blocks]:
         raise RefineError(f"the model's tracked modules do not match the index {index.path}; use its model.")
     entries = tracked_entries(model, report)

@@ -25,7 +25,12 @@ import numpy as np
 
 from moe_attrib.discovery import CoverageReport, iter_entries
 from moe_attrib.projection import PROJECTION, side_width
-from moe_attrib.settings import DEFAULT_INDEX_DTYPE, DEFAULT_PROJECTION_DIM, check_version  # noqa: F401 (re-exported)
+from moe_attrib.settings import (  # noqa: F401 (DEFAULT_PROJECTION_DIM: re-exported)
+    DEFAULT_INDEX_DTYPE,
+    DEFAULT_PROJECTION_DIM,
+    IndexSettings,
+    check_version,
+)
 
 FORMAT_VERSION = 1
 INDEX_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # stored numpy dtype
@@ -452,10 +457,15 @@ class Index:
         return [Block(b["name"], b["start"], b["stop"], tuple(b["shape"])) for b in self.manifest["blocks"]]
 
     @property
+    def settings(self) -> IndexSettings:
+        """The manifest's settings, typed (`moe_attrib.settings.IndexSettings`)."""
+        return IndexSettings.from_dict(self.manifest["settings"])
+
+    @property
     def dtype(self) -> str:
         """How rows are stored: "float32" (also an index from before the setting), "float16" or
         "bfloat16" (`gradients` then holds its uint16 bits)."""
-        return self.manifest["settings"].get("index_dtype", DEFAULT_INDEX_DTYPE)
+        return self.settings.collect.index_dtype
 
     def read_rows(self, rows) -> np.ndarray:
         """Rows `gradients[rows]` (any numpy index) as float32, whatever the storage dtype."""

@@ -320,15 +320,15 @@ def query_gradients(
     tokens each query routes to each expert, `[Q, layers, E]` in the index's `expert_layers` order
     (what `index.expert_counts` holds for training rows; None for an index without expert layers),
     from the same pass."""
-    st = index.manifest["settings"]
-    check_model(st, model, what=f"index {index.path}")
-    report = discover(model, track_moe_experts=st["track_moe_experts"], filter_modules=st["filter_modules"], warn=False)
-    kind = projection_kind(st)
-    plan = index_plan(index.path, st, report)  # None: seeded projections
-    blocks = plan.blocks if plan else column_plan(report, st["projection_dim"], st["expert_blocks"], kind)
+    recorded, st = index.manifest["settings"], index.settings.collect  # raw: for the checks that take either kind
+    check_model(recorded, model, what=f"index {index.path}")
+    report = discover(model, track_moe_experts=st.track_moe_experts, filter_modules=st.filter_modules, warn=False)
+    kind = projection_kind(recorded)
+    plan = index_plan(index.path, recorded, report)  # None: seeded projections
+    blocks = plan.blocks if plan else column_plan(report, st.projection_dim, st.expert_blocks, kind)
     if [(b.name, b.start, b.stop) for b in blocks] != [(b.name, b.start, b.stop) for b in index.blocks]:
         raise ScoreError(
-            f"the model's tracked modules do not match the index {index.path} (built from {st.get('model')!r}); "
+            f"the model's tracked modules do not match the index {index.path} (built from {index.settings.model!r}); "
             "score with the model the index was built from."
         )
     device = next(model.parameters()).device
@@ -340,13 +340,13 @@ def query_gradients(
     if plan is not None:
         collector = GradientCollector(model, report, projector=plan.projector)
     else:
-        collector = make_collector(model, report, st["projection_dim"], st["seed"], st.get("optimizer_state"), kind)
+        collector = make_collector(model, report, st.projection_dim, st.seed, st.optimizer_state, kind)
     with collector:
         for positions in token_batches(examples, token_batch_size):
             ids, mask = collate(examples, positions, pad_id)
             labels = labels_for(examples, positions, ids, mask).to(device)
             grads = collector.collect(ids.to(device), mask.to(device), labels, fused_experts=True)
-            rows = plan.flatten(grads).cpu() if plan else flatten_batch(grads, report, blocks, st["expert_blocks"])
+            rows = plan.flatten(grads).cpu() if plan else flatten_batch(grads, report, blocks, st.expert_blocks)
             out[positions] = torch.as_tensor(rows)
             if counts is not None:
                 got = grads.expert_counts.float().cpu().numpy()

@@ -25,10 +25,12 @@ SETTINGS_VERSION = 1  # the settings layout new manifests record; one without th
 # collection
 DEFAULT_PROJECTION_DIM = 32  # per side: a p x p block per weight (docs/quality.md)
 PROJECTION = "rademacher-hash-v2"  # the projection kind new indexes and EK-FAC factors use
+LEGACY_PROJECTION = "gaussian-cpu-v0"  # what settings without a "projection" key were made with
 DEFAULT_INDEX_DTYPE = "float32"
 DEFAULT_TOKEN_BATCH_SIZE = 8192
 DEFAULT_BUDGET = 2**20  # bytes per example of an eigenbasis index: 1 MiB (docs/build.md: the LDS frontier)
 AUTO_MIN_BATCHES = 32  # batches of one shape that earn it a CUDA graph under cuda_graphs=None (auto)
+PRECISIONS = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}  # a model dtype's --precision
 MAX_PROJECTION_DIM = 4096  # a p x p block per weight: 16M values at this p
 # EK-FAC
 DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md)
@@ -387,3 +389,45 @@ class RefineSettings(Settings):
     token_batch_size: int = setting(4096, flag="")  # padded tokens per forward of the GGN sweeps
     query_batch: int = setting(16, flag="")  # queries solved together (sharing the sweeps' forwards)
     vector_batch: int = setting(8, flag="")  # vectors per vmapped backward
+
+
+@dataclass(frozen=True)
+class IndexSettings(Settings):
+    """What an index manifest's "settings" record, read back (`Index.settings`): how the rows were
+    collected (`collect`), how the data were read (`reading`) and what the rows came from: the model
+    (`model`, its weights fingerprint and dtype), the data (absolute path, token fingerprint) and the
+    tokenizer's fingerprint; `eigenbasis` for an index of eigenbasis rows. Keys older manifests lack
+    take what they meant then: projection kind `LEGACY_PROJECTION`, experts untracked, float32 rows."""
+
+    collect: CollectSettings = field(default_factory=CollectSettings)
+    reading: DataSettings = field(default_factory=DataSettings)
+    model: str = ""
+    model_fingerprint: str | None = None
+    dtype: str | None = None  # the model's, e.g. "torch.float32"
+    data: str | None = None
+    data_fingerprint: str | None = None
+    tokenizer_fingerprint: str | None = None
+    rows: int | None = None
+    eigenbasis: dict | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], legacy: dict[str, str] | None = None) -> IndexSettings:
+        """The settings of a manifest's flat "settings" dict."""
+        old = {"track_moe_experts": False, "projection": LEGACY_PROJECTION, "index_dtype": DEFAULT_INDEX_DTYPE}
+        data = {**old, **{k: v for k, v in data.items() if v is not None or k != "projection"}}
+        own = {f.name for f in dataclasses.fields(cls)} - {"collect", "reading"}
+        return cls(
+            collect=CollectSettings.from_dict(data, legacy),
+            reading=DataSettings.from_dict(data, legacy),
+            **{k: v for k, v in data.items() if k in own},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat dict a manifest records (collection and reading fields beside the provenance)."""
+        flat = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("collect", "reading")}
+        return {**self.collect.to_dict(), **self.reading.to_dict(), **flat}
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """The model's dtype as a `torch` attribute name ("float32", "bfloat16", ...)."""
+        return (self.dtype or "torch.float32").removeprefix("torch.")

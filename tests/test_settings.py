@@ -115,3 +115,28 @@ def test_keyword_shortcuts_and_their_errors():
 def test_settings_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         CollectSettings().seed = 1
+
+
+def test_index_settings_read_a_manifest_and_store_it_back():
+    """`Index.settings`: the manifest's flat dict, typed, and the same dict again from `to_dict`; keys an
+    older manifest lacks mean what they meant then."""
+    import json
+
+    from moe_attrib.index import load_index
+    from moe_attrib.settings import LEGACY_PROJECTION, IndexSettings
+
+    legacy = Path(__file__).parent / "data/legacy-index-0.1.0"
+    index = load_index(legacy / "index-experts")
+    st = index.settings
+    assert (
+        st.collect.track_moe_experts
+        and st.collect.projection_dim == 4
+        and st.collect.projection == "rademacher-hash-v2"
+    )
+    assert st.model == "tiny:mixtral" and st.dtype == "torch.float32" and st.torch_dtype_name == "float32"
+    recorded = json.loads((legacy / "index-experts/manifest.json").read_text())["settings"]
+    stored = st.to_dict()
+    assert {k: stored[k] for k in recorded} == recorded
+    old = IndexSettings.from_dict({"projection_dim": 8, "seed": 1, "projection": None})
+    assert old.collect.projection == LEGACY_PROJECTION and not old.collect.track_moe_experts
+    assert old.collect.index_dtype == "float32"
