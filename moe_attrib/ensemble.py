@@ -27,7 +27,7 @@ import torch
 
 from moe_attrib.index import Index, load_index
 from moe_attrib.score import Scores
-from moe_attrib.settings import ScoreSettings, resolve
+from moe_attrib.settings import IndexSettings, ScoreSettings, resolve
 
 FORMAT = "moe-attrib all-scores"
 VERSION = 1
@@ -51,15 +51,15 @@ def matrix_info(
     balance: bool = False,
 ) -> dict:
     """What a `[queries, rows]` score matrix of `index` belongs to (written beside it as `<file>.json`)."""
-    settings = index.manifest["settings"]
+    settings = index.settings
     return {
         "format": FORMAT,
         "version": VERSION,
         "shape": [queries, int(index.gradients.shape[0])],
-        "data_fingerprint": settings["data_fingerprint"],
+        "data_fingerprint": settings.data_fingerprint,
         "queries_fingerprint": queries_fingerprint,
-        "model_fingerprint": settings.get("model_fingerprint"),
-        "attribute_tokens": bool(settings.get("attribute_tokens")),
+        "model_fingerprint": settings.model_fingerprint,
+        "attribute_tokens": bool(settings.collect.attribute_tokens),
         "unit_normalize": bool(unit_normalize),
         "modules": modules,
         "ekfac": bool(ekfac),
@@ -303,8 +303,8 @@ def score_run(
     with tempfile.TemporaryDirectory(prefix="moe-attrib-run-") as tmp:
         matrices, counts = [], None
         for ckpt in plan:
-            settings = ckpt.index.manifest["settings"]
-            model = (load_model(ckpt.path) if load_model else default_loader(ckpt.path, settings)).to(dev).eval()
+            made = ckpt.index.settings
+            model = (load_model(ckpt.path) if load_model else default_loader(ckpt.path, made)).to(dev).eval()
             q, counts = query_gradients(model, queries, ckpt.index, pad_id=pad_id, with_counts=True)
             del model
             factors = load_ekfac(ckpt.ekfac) if ckpt.ekfac is not None else None
@@ -326,8 +326,8 @@ def score_run(
     return RunScores(Scores(values, rows), [c.path for c in plan], kept, last.index, counts)
 
 
-def default_loader(checkpoint: Path, settings: dict) -> torch.nn.Module:
+def default_loader(checkpoint: Path, settings: IndexSettings) -> torch.nn.Module:
     """A checkpoint's weights as `from_pretrained` loads them, in the dtype its index was built in."""
     from moe_attrib.loading import load_model
 
-    return load_model(str(checkpoint), getattr(torch, settings["dtype"].removeprefix("torch.")))
+    return load_model(str(checkpoint), getattr(torch, settings.torch_dtype_name))
