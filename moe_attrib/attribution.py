@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_attrib.balance import Balance
 from moe_attrib.checks import (
     UsageError,
     check_device,
@@ -32,6 +33,7 @@ from moe_attrib.checks import (
     check_out_dir,
     check_parent_writable,
 )
+from moe_attrib.coupling import Coupling
 from moe_attrib.data import (
     DataError,
     Example,
@@ -41,6 +43,7 @@ from moe_attrib.data import (
     fingerprint,
     load_examples,
 )
+from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Index, load_index
 from moe_attrib.loading import load_model, load_tokenizer, model_name, resolve_precision
 from moe_attrib.score import Scores
@@ -121,7 +124,7 @@ def fit_from_files(
     overwrite: bool = False,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
-):
+) -> EKFAC:
     """Fit EK-FAC factors of `model` on the training data file `data` and write them to the directory
     `out`; returns the `EKFAC` (on every rank under torchrun; rank 0 writes).
 
@@ -308,8 +311,8 @@ class ScoredQueries:
     scores: Scores
     index: Index
     queries: list[Example]
-    coupling: object | None = None
-    balance: object | None = None
+    coupling: Coupling | None = None
+    balance: Balance | None = None
 
 
 def score_queries(

@@ -34,7 +34,6 @@ from moe_attrib.settings import (
     RefineSettings,
     ScoreSettings,
     add_flags,
-    from_args,
 )
 
 
@@ -115,11 +114,11 @@ def cmd_build(args: argparse.Namespace) -> int:
     from moe_attrib.index import part_dir
 
     check_projection_flags(args)
-    settings = from_args(CollectSettings, args, projection_dim=projection(args))
+    settings = CollectSettings.from_args(args, projection_dim=projection(args))
     try:
         with value_errors(), notes():
             path = build_from_files(
-                args.model, args.data, args.index, settings, reading=from_args(DataSettings, args), ekfac=args.ekfac,
+                args.model, args.data, args.index, settings, reading=DataSettings.from_args(args), ekfac=args.ekfac,
                 precision=args.precision, device=args.device, fsdp=args.fsdp, resume=args.resume,
                 overwrite=args.overwrite, progress=not args.quiet, log=say,
             )  # fmt: skip
@@ -208,12 +207,12 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
     args.seed = 0 if args.seed is None else args.seed
     if args.projection_dim is None:
         args.projection_dim = DEFAULT_PROJECTION_DIM
-    collect = from_args(CollectSettings, args, projection_dim=projection(args))
+    collect = CollectSettings.from_args(args, projection_dim=projection(args))
     with value_errors(), notes():
         fit_from_files(
-            args.model, args.data, args.out, from_args(EkfacSettings, args),
+            args.model, args.data, args.out, EkfacSettings.from_args(args),
             collect=collect.replace(projection=getattr(args, "projection_kind", PROJECTION)), index=args.index,
-            reading=from_args(DataSettings, args), precision=args.precision, device=args.device, fsdp=args.fsdp,
+            reading=DataSettings.from_args(args), precision=args.precision, device=args.device, fsdp=args.fsdp,
             overwrite=args.overwrite, progress=not args.quiet, log=say,
         )  # fmt: skip
     if is_main_process():
@@ -235,8 +234,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     reading = QueryReading(args.text_field, args.tokenizer, not args.no_texts, args.id_field)
     with value_errors():
         done = score_queries(
-            args.index, args.model, args.queries, from_args(ScoreSettings, args), ekfac=args.ekfac,
-            refine=from_args(RefineSettings, args), refine_ekfac=args.refine_ekfac, all_scores=args.all_scores,
+            args.index, args.model, args.queries, ScoreSettings.from_args(args), ekfac=args.ekfac,
+            refine=RefineSettings.from_args(args), refine_ekfac=args.refine_ekfac, all_scores=args.all_scores,
             average_with=args.average_with, reading=reading, device=args.device, fsdp=args.fsdp,
             before_work=check_files, log=print,
         )  # fmt: skip
@@ -318,7 +317,7 @@ def cmd_score_run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model, args.tokenizer)
     queries = load_examples(args.queries, tokenizer, args.text_field, None, True)
     run = score_run(
-        args.run, queries, from_args(ScoreSettings, args), tokenizer=tokenizer,
+        args.run, queries, ScoreSettings.from_args(args), tokenizer=tokenizer,
         pad_id=getattr(tokenizer, "pad_token_id", None) or 0, device=args.device, progress=True,
     )  # fmt: skip
     settings = run.index.manifest["settings"]

@@ -1,10 +1,10 @@
 """Typed settings of the three steps (collect gradients, fit EK-FAC factors, score) and their defaults.
 
 Each setting is one field of a frozen dataclass carrying its command-line help (`field(metadata=...)`):
-`add_flags` adds a class's flags to an `argparse` parser and `from_args` builds the object back from
-the parsed arguments, so the CLI and the Python API share one list of names and defaults. The index
-manifest and `ekfac.json` store them (`to_dict`) and load back into them (`from_dict`), with
-`SETTINGS_VERSION` telling a layout this code cannot read.
+`add_flags` adds a class's flags to an `argparse` parser and `Settings.from_args` builds the object back from
+the parsed arguments, so the CLI and the Python API share one list of names and defaults. An index
+manifest stores them flat (`to_dict`) and `IndexSettings.from_dict` reads them back (`Index.settings`);
+manifests and `ekfac.json` record `SETTINGS_VERSION`, so a layout this code cannot read is refused.
 
 This module imports neither torch nor transformers: `moe-attrib --help` builds its parser from it.
 """
@@ -147,6 +147,18 @@ class Settings:
         """A copy with `changes` (unknown names are a TypeError naming them)."""
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_args(cls: type[S], args: argparse.Namespace, **changes: Any) -> S:
+        """The settings of parsed arguments: each field with a flag read from `args` (through its
+        `parse`), the others at their defaults; `changes` override both."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name in changes or _flag(f) is None or not hasattr(args, _dest(f)):
+                continue
+            value = getattr(args, _dest(f))
+            values[f.name] = f.metadata["parse"](value) if f.metadata["parse"] else value
+        return cls(**{**values, **changes})
+
 
 def resolve(where: str, overrides: dict[str, Any], *given: Settings | None, kinds: tuple[type, ...]) -> tuple:
     """The settings objects a function runs with: each of `given` (None: `kinds`' defaults) with the
@@ -187,18 +199,6 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[Settings], names: list[
         f = fields[name]
         kwargs = {"default": f.default, "help": f.metadata["help"], **f.metadata["cli"], **overrides.get(name, {})}
         parser.add_argument(_flag(f), **kwargs)
-
-
-def from_args(cls: type[S], args: argparse.Namespace, **changes: Any) -> S:
-    """The settings of parsed arguments: each field with a flag read from `args` (through its
-    `parse`), the others at their defaults; `changes` override both."""
-    values = {}
-    for f in dataclasses.fields(cls):
-        if f.name in changes or _flag(f) is None or not hasattr(args, _dest(f)):
-            continue
-        value = getattr(args, _dest(f))
-        values[f.name] = f.metadata["parse"](value) if f.metadata["parse"] else value
-    return cls(**{**values, **changes})
 
 
 def check_version(recorded: dict, what: str) -> None:

@@ -17,7 +17,6 @@ from moe_attrib.settings import (
     EkfacSettings,
     RefineSettings,
     ScoreSettings,
-    from_args,
     resolve,
 )
 
@@ -52,33 +51,32 @@ def parse(*argv: str):
 def test_flags_give_0_1_0s_defaults():
     """The settings a bare command line gives are the values 0.1.0's commands passed on."""
     build = parse("build", "m", "d", "--index", "i")
-    assert from_args(CollectSettings, build, projection_dim=32) == CollectSettings(track_moe_experts=False)
-    assert from_args(DataSettings, build) == DataSettings()
+    assert CollectSettings.from_args(build, projection_dim=32) == CollectSettings(track_moe_experts=False)
+    assert DataSettings.from_args(build) == DataSettings()
     ekfac = parse("ekfac", "m", "d", "--out", "o")
-    assert from_args(EkfacSettings, ekfac) == EkfacSettings()
+    assert EkfacSettings.from_args(ekfac) == EkfacSettings()
     assert EkfacSettings() == EkfacSettings(damping=1.0, damping_scope="model", sampled_labels=True, fold_bias=True)
     score = parse("score", "--index", "i", "m", "q", "--out", "o")
-    assert from_args(ScoreSettings, score) == ScoreSettings()
+    assert ScoreSettings.from_args(score) == ScoreSettings()
     assert ScoreSettings().coupling == {"gamma": 30.0, "rank": 64, "sample": 512} and ScoreSettings().balanced
-    assert from_args(RefineSettings, score).iterations == 0  # --refine is off unless asked
+    assert RefineSettings.from_args(score).iterations == 0  # --refine is off unless asked
 
 
 def test_flags_map_onto_fields():
     build = parse("build", "m", "d", "--index", "i", "--recompute_layers", "--cuda_graphs", "--attribute_tokens",
                   "--expert_blocks", "sum", "--token_batch_size", "64", "--track_moe_experts")  # fmt: skip
-    st = from_args(CollectSettings, build)
+    st = CollectSettings.from_args(build)
     assert (st.recompute, st.cuda_graphs, st.attribute_tokens, st.expert_blocks) == (True, True, True, "sum")
     assert (st.token_batch_size, st.track_moe_experts) == (64, True)
     assert (
-        from_args(CollectSettings, parse("build", "m", "d", "--index", "i", "--cuda_graphs", "off")).cuda_graphs
-        is False
+        CollectSettings.from_args(parse("build", "m", "d", "--index", "i", "--cuda_graphs", "off")).cuda_graphs is False
     )
     ekfac = parse("ekfac", "m", "d", "--out", "o", "--empirical_fisher", "--no_fold_bias", "--max_factor_memory", "2")
-    ek = from_args(EkfacSettings, ekfac)
+    ek = EkfacSettings.from_args(ekfac)
     assert (ek.sampled_labels, ek.fold_bias, ek.max_memory_gib) == (False, False, 2.0)
     score = parse("score", "--index", "i", "m", "q", "--out", "o", "--coupling_gamma", "0", "--modules", "lm_head.*",
                   "--refine", "3", "--refine_damping", "0.5", "--damping", "0.1")  # fmt: skip
-    sc, refine = from_args(ScoreSettings, score), from_args(RefineSettings, score)
+    sc, refine = ScoreSettings.from_args(score), RefineSettings.from_args(score)
     assert sc.coupling is None and not sc.balanced and sc.damping == 0.1
     assert (refine.iterations, refine.damping, refine.examples) == (3, 0.5, None)
 
