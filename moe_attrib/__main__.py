@@ -1,3 +1,5 @@
+"""`python -m moe_attrib`: the `moe-attrib` command."""
+
 import sys
 
 from moe_attrib.cli import main

@@ -25,6 +25,7 @@ from moe_attrib.discovery import discover
 from moe_attrib.distributed import Dist
 from moe_attrib.eigenbasis import DEFAULT_BUDGET, EigenPlan, factors_fingerprint, parse_bytes, plan_eigenbasis
 from moe_attrib.ekfac import EKFAC
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.graphs import GraphedCollector, graphed_shapes
 from moe_attrib.index import FORMAT_VERSION, IndexWriter, column_plan, flatten_rows, part_dir
@@ -34,7 +35,7 @@ from moe_attrib.settings import AUTO_MIN_BATCHES, SETTINGS_VERSION, CollectSetti
 from moe_attrib.sharding import is_sharded
 
 
-class NonFiniteGradientError(ValueError):
+class NonFiniteGradientError(MoeAttribError, ValueError):
     """An example whose loss or gradient is NaN/inf: it would poison every score it touches."""
 
 

@@ -596,49 +596,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """The errors a user can act on: `MoeAttribError` and the older classes of the modules that raise them."""
-    from moe_attrib.build import NonFiniteGradientError
-    from moe_attrib.ekfac import FactorMemoryError
-    from moe_attrib.ensemble import EnsembleError
-    from moe_attrib.errors import MoeAttribError
-    from moe_attrib.experts import LayoutError
-    from moe_attrib.fingerprint import FingerprintError
-    from moe_attrib.index import IndexDtypeError, IndexFileError
-    from moe_attrib.normalizers import OptimizerStateError
-    from moe_attrib.precondition import ScoreError
-
-    return (
-        MoeAttribError, EnsembleError, FactorMemoryError, FingerprintError, IndexDtypeError, IndexFileError,
-        LayoutError, NonFiniteGradientError, OptimizerStateError, ScoreError,
-    )  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Every failure a user can act on is one line on stderr and exit status 2;
     Ctrl-C is one line and 130 (no output file is left half-written: `moe_attrib.outputs`); a closed
-    pipe (`show ... | head`) ends quietly. MOE_ATTRIB_TRACEBACK=1 shows the tracebacks instead."""
+    pipe (`show ... | head`) ends quietly. `moe_attrib.errors.exit_code` says which is which; anything
+    else is a bug and keeps its traceback. MOE_ATTRIB_TRACEBACK=1 shows the tracebacks instead."""
+    from moe_attrib.errors import error_text, exit_code
+
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
     name = f"moe-attrib {args.command}"
     try:
         return args.func(args)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as err:
+        code = exit_code(err)
+        if code is None:
+            raise
+        if isinstance(err, BrokenPipeError):  # the reader went away (`show ... | head`): stop quietly
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return code
         if os.environ.get("MOE_ATTRIB_TRACEBACK"):
             raise
-        print(f"\n{name}: interrupted; files it writes are left as they were.", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader went away (`show ... | head`): stop quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 141
-    except (*user_errors(), OSError) as err:
-        if os.environ.get("MOE_ATTRIB_TRACEBACK"):
-            raise
-        text = str(err) if not isinstance(err, OSError) or err.filename is None else f"{err.filename}: {err.strerror}"
-        print(f"{name}: error: {text}", file=sys.stderr)
-        return getattr(err, "exit_code", 2)
+        if isinstance(err, KeyboardInterrupt):
+            print(f"\n{name}: interrupted; files it writes are left as they were.", file=sys.stderr)
+        else:
+            print(f"{name}: error: {error_text(err)}", file=sys.stderr)
+        return code
     finally:
         teardown()
 

@@ -38,6 +38,7 @@ import torch
 
 from moe_attrib.discovery import CoverageReport, iter_entries
 from moe_attrib.ekfac import EKFAC, Factor
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.index import INDEX_DTYPES, Block
 from moe_attrib.projection import Projections
 from moe_attrib.settings import DEFAULT_BUDGET
@@ -48,7 +49,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-class EigenbasisError(ValueError):
+class EigenbasisError(MoeAttribError, ValueError):
     """Factors, budget and model that cannot make (or score) an eigenbasis index."""
 
 

@@ -35,6 +35,7 @@ from moe_attrib.collector import GradientCollector
 from moe_attrib.data import Example, token_batches
 from moe_attrib.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.distributed import Dist
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.layouts import Kernels
 from moe_attrib.pipeline import batch_inputs, prefetch, to_device
@@ -53,7 +54,7 @@ from moe_attrib.settings import (  # noqa: F401 (re-exported)
 )
 
 
-class FactorMemoryError(MemoryError):
+class FactorMemoryError(MoeAttribError, MemoryError):
     """The factors of the requested modules do not fit the memory budget."""
 
 

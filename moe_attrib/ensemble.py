@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.index import Index, load_index
 from moe_attrib.score import Scores
 from moe_attrib.settings import IndexSettings, ScoreSettings, resolve
@@ -33,7 +34,7 @@ FORMAT = "moe-attrib all-scores"
 VERSION = 1
 
 
-class EnsembleError(ValueError):
+class EnsembleError(MoeAttribError, ValueError):
     """Score matrices that cannot be averaged (other data, other queries, the same model twice)."""
 
 

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.sharding import sample_values
 
 SAMPLES_PER_TENSOR = 1024
 
 
-class FingerprintError(ValueError):
+class FingerprintError(MoeAttribError, ValueError):
     """A model, tokenizer or factors that do not belong to the index or factors they are used with."""
 
 

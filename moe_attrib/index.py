@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_attrib.discovery import CoverageReport, iter_entries
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.projection import PROJECTION, side_width
 from moe_attrib.settings import (  # noqa: F401 (DEFAULT_PROJECTION_DIM: re-exported)
     DEFAULT_INDEX_DTYPE,
@@ -49,11 +50,11 @@ INDEX_FILES = (
 OWNER_FILE = "owner.json"  # in DIR.part: the build writing it (pid, host, start time)
 
 
-class IndexFileError(RuntimeError):
+class IndexFileError(MoeAttribError, RuntimeError):
     """A missing, incomplete or corrupt index, or a build that cannot continue as asked."""
 
 
-class IndexDtypeError(ValueError):
+class IndexDtypeError(MoeAttribError, ValueError):
     """Rows that do not fit the index's storage dtype (a float16 overflow), or an unknown dtype."""
 
 

@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from moe_attrib.discovery import CoverageReport, iter_entries
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.projection import PROJECTION, Projections
 
 
-class OptimizerStateError(ValueError):
+class OptimizerStateError(MoeAttribError, ValueError):
     """An optimizer state that does not match the model."""
 
 

@@ -13,13 +13,14 @@ import torch
 
 from moe_attrib.eigenbasis import EigenbasisError, check_factors, direction_order
 from moe_attrib.ekfac import EKFAC
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.index import Block
 from moe_attrib.projection import projection_kind
 
 EXPERT_BLOCK = re.compile(r"^(?P<layer>.+)\.expert_(?P<i>\d+)\.(?P<proj>[^.]+)\.(?P<key>weight|bias)$")
 
 
-class ScoreError(ValueError):
+class ScoreError(MoeAttribError, ValueError):
     """Queries, index and factors that do not belong together."""
 
 

@@ -23,9 +23,10 @@ from torch import nn
 
 from moe_attrib.discovery import decoder_layers as find_decoder_layers
 from moe_attrib.distributed import Dist
+from moe_attrib.errors import MoeAttribError
 
 
-class ShardingError(ValueError):
+class ShardingError(MoeAttribError, ValueError):
     """A model or checkpoint that `--fsdp` cannot shard or load shard by shard."""
 
 

@@ -38,6 +38,7 @@ from moe_attrib.build import build_index
 from moe_attrib.data import SCALARS, DataError, Example, check_token_ids, fingerprint
 from moe_attrib.distributed import Dist
 from moe_attrib.ekfac import DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE, fit_ekfac
+from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import tokenizer_fingerprint
 from moe_attrib.index import DEFAULT_PROJECTION_DIM
 from moe_attrib.sharding import is_sharded
@@ -49,7 +50,7 @@ TRAIN = "train.jsonl"
 CHECKPOINT = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR: RUN_DIR/checkpoint-N
 
 
-class TrainerAttributionError(ValueError):
+class TrainerAttributionError(MoeAttribError, ValueError):
     """A training setup the callback cannot attribute faithfully; the message says what to change."""
 
 

@@ -44,6 +44,14 @@ def test_settings_module_needs_only_the_standard_library():
                     assert top in sys.stdlib_module_names or module == "moe_attrib.errors", (name, module)
 
 
+def test_importing_the_settings_loads_no_torch():
+    import subprocess
+
+    code = "import sys, moe_attrib.settings; print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def parse(*argv: str):
     return build_parser().parse_args(list(argv))
 

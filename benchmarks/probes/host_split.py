@@ -1,4 +1,4 @@
-"""Where the 1k-token collection step's time goes (issue 15): the step with one kind of target at a
+"""Where the 1k-token collection step's time goes: the step with one kind of target at a
 time, against the plain step and the floor, side by side in one process on the GPU.
 
 At 1k tokens a collection step is bound by the host, so its cost above the floor (the model's forward
@@ -6,9 +6,9 @@ and activation backward, no weight gradients) is what the capture's Python and l
 measures that cost per kind of target by collecting with `discover(filter_modules=...)` keeping
 only the experts, only attention's projections, only the routers or only the output layer, and with
 no target at all (the collection forward: fused norms and head, no rows), in interleaved rounds.
-Which functions hold the host: `benchmarks/host_profile.py` (py-spy).
+Which functions hold the host: `benchmarks/probes/host_profile.py` (py-spy).
 
-    python benchmarks/host_split.py [--batch 2 --seq_len 512 --rounds 5]
+    python benchmarks/probes/host_split.py [--batch 2 --seq_len 512 --rounds 5]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from collect_speed import timed  # noqa: E402
 from e2e import floor_step, frozen, make_model, plain_step, token_ids  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Where a collection step's time goes on the GPU (issue 15): kernels at 8k tokens, host Python at 1k.
+"""Where a collection step's time goes on the GPU: kernels at 8k tokens, host Python at 1k.
 
 - GPU: torch.profiler over a few collection steps and floor steps (the model's forward and activation
   backward, nothing captured) of the 4-layer Qwen3-30B-A3B shape at `--tokens` (2 x 4096), kernels
@@ -7,7 +7,7 @@
   on the host (Python functions sorted by their own time, and moe-attrib's by cumulative time), and
   the self CPU time of each aten op under torch.profiler, collection beside plain.
 
-    python benchmarks/step_profile.py > benchmarks/results/issue15/step-profile.txt
+    python benchmarks/probes/step_profile.py > benchmarks/results/issue15/step-profile.txt
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from e2e import floor_step, frozen, make_model, plain_step, token_ids  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402

@@ -1,10 +1,10 @@
-"""Sampled host profile of a small-batch step on the GPU (issue 15): which Python functions hold the
+"""Sampled host profile of a small-batch step on the GPU: which Python functions hold the
 host, per thread (the main thread runs the forward, the autograd engine's device thread the backward
 and its hooks), with py-spy sampling the process from outside (no tracer overhead in the step).
 
-    py-spy record -r 250 --threads -f raw -o spy-collect.txt -- python benchmarks/host_profile.py --mode collect
-    py-spy record -r 250 --threads -f raw -o spy-plain.txt -- python benchmarks/host_profile.py --mode plain
-    python benchmarks/host_profile.py --aggregate spy-collect.txt spy-plain.txt
+    py-spy record -r 250 --threads -f raw -o spy-collect.txt -- python benchmarks/probes/host_profile.py --mode collect
+    py-spy record -r 250 --threads -f raw -o spy-plain.txt -- python benchmarks/probes/host_profile.py --mode plain
+    python benchmarks/probes/host_profile.py --aggregate spy-collect.txt spy-plain.txt
 
 py-spy (`pip install py-spy`) is not a dependency of moe-attrib. Sampling slows the steps by about
 1.6x, so read the shares, not the milliseconds (at 1000 Hz the raw files grew past 100 MB and the
@@ -29,7 +29,7 @@ FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]*)(?::\d+)?\)$")
 def run(mode: str, seconds: float, batch: int, seq_len: int, projection_dim: int) -> None:
     import torch
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from e2e import floor_step, frozen, make_model, plain_step, token_ids
 
     import moe_attrib as ma

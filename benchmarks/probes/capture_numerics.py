@@ -1,7 +1,8 @@
-"""Probe (issue 15): where does a CUDA-graphed forward of the Qwen3-30B-A3B shape part from the eager one?
+"""Probe: where does a CUDA-graphed forward of the Qwen3-30B-A3B shape part from the eager one?
 
-Session 6 found a captured forward 0.65-1.3% away from the eager one from the first decoder layer
-on, and `sdpa_capture_probe.py` finds SDPA alone bitwise equal under capture. This compares, eager
+A captured forward once differed from the eager one by 0.65-1.3% from the first decoder layer on,
+while SDPA alone was bitwise equal under capture (the cause: transformers' packed-sequence check,
+answered by `moe_attrib.graphs.unpacked_positions`). This compares, eager
 against captured (`e2e.capture_graph`: warm-up on a side stream, then capture): the single ops the
 attention block runs (a bf16 `F.linear` of q_proj's shape, the rotary embedding's float32 matmul,
 the RMSNorm formula, SDPA), then every intermediate of decoder layer 0 at 2 x 512 tokens (forward
@@ -9,7 +10,7 @@ hooks on its submodules, the rotary embedding's cos/sin, o_proj's input). Run it
 `CUBLAS_WORKSPACE_CONFIG=:4096:8` (a fixed cuBLAS workspace) to see whether the GEMMs' algorithm
 choice is what moves.
 
-    python benchmarks/capture_numerics.py
+    python benchmarks/probes/capture_numerics.py
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from e2e import capture_graph, make_model, rel, token_ids  # noqa: E402
 
 from moe_attrib.graphs import unpacked_positions  # noqa: E402

@@ -1,9 +1,9 @@
-"""Peak GPU memory of a 48-layer Qwen3-30B-A3B-shaped build (issue 15) with the collector's own
+"""Peak GPU memory of a 48-layer Qwen3-30B-A3B-shaped build with the collector's own
 replacements of model computation switched off one at a time: the fused output layer (`fused_head`)
 and the RMSNorms' one-pass backward (`fused_norms`), with and without `recompute`. One model, one
 process; peaks relative to the weights.
 
-    python benchmarks/memory48_variants.py --out benchmarks/results/issue15/memory48-variants.json
+    python benchmarks/probes/memory48_variants.py --out benchmarks/results/issue15/memory48-variants.json
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from e2e import GiB, build_once, examples_for, make_model  # noqa: E402
 
 from moe_attrib import collector  # noqa: E402
