@@ -114,6 +114,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     from moe_attrib.index import part_dir
 
     check_projection_flags(args)
+    if args.projection_dim is None:
+        args.projection_dim = DEFAULT_PROJECTION_DIM
     settings = CollectSettings.from_args(args, projection_dim=projection(args))
     try:
         with value_errors(), notes():

@@ -103,3 +103,18 @@ def test_score_queries_from_python_gives_the_recorded_records():
     )  # fmt: skip
     same(done.records, read(LEGACY / "expected-index-ekfac.jsonl"))
     assert done.coupling is not None and done.balance is not None
+
+
+def test_build_without_projection_flags_projects_to_the_default(tmp_path):
+    """No --projection_dim: p = DEFAULT_PROJECTION_DIM (32), as 0.1.0 built; --no_projection: exact rows."""
+    from moe_attrib.index import load_index
+
+    train = str(LEGACY / "train.jsonl")
+    assert main(["build", "tiny:mixtral", train, "--index", str(tmp_path / "a"), "--quiet", "--device", "cpu"]) == 0
+    assert load_index(tmp_path / "a").settings.collect.projection_dim == 32
+    exact = ["--no_projection", "--filter_modules", "lm_head"]
+    assert (
+        main(["build", "tiny:mixtral", train, "--index", str(tmp_path / "b"), "--quiet", "--device", "cpu", *exact])
+        == 0
+    )
+    assert load_index(tmp_path / "b").settings.collect.projection_dim is None
