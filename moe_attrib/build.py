@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,11 +25,12 @@ from moe_attrib.eigenbasis import DEFAULT_BUDGET, factors_fingerprint, parse_byt
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.graphs import AUTO_MIN_BATCHES, check_graphable, graphs_unavailable
-from moe_attrib.index import DEFAULT_PROJECTION_DIM, FORMAT_VERSION, IndexWriter, column_plan, part_dir
+from moe_attrib.graphs import check_graphable, graphs_unavailable
+from moe_attrib.index import FORMAT_VERSION, IndexWriter, column_plan, part_dir
 from moe_attrib.loop import CollectionLoop, Progress, Step, rows_of
 from moe_attrib.pipeline import BackgroundWriter, HostCopy
-from moe_attrib.projection import PROJECTION, check_kind
+from moe_attrib.projection import check_kind
+from moe_attrib.settings import AUTO_MIN_BATCHES, SETTINGS_VERSION, CollectSettings, resolve
 from moe_attrib.sharding import is_sharded
 
 
@@ -40,30 +42,23 @@ def build_index(
     model: nn.Module,
     examples: list[Example],
     index: str | Path,
+    settings: CollectSettings | None = None,
     *,
     model_name: str = "",
-    track_moe_experts: bool = True,
-    projection_dim: int | None = DEFAULT_PROJECTION_DIM,
-    seed: int = 0,
-    projection: str = PROJECTION,
-    expert_blocks: str = "separate",
-    token_batch_size: int = 8192,
-    filter_modules: str | None = None,
-    attribute_tokens: bool = False,
-    optimizer_state: str | None = None,
+    ekfac: EKFAC | None = None,
     resume: bool = False,
     overwrite: bool = False,
-    index_dtype: str = "float32",
     pad_id: int = 0,
     extra_settings: dict | None = None,
     dist: Dist | None = None,
     progress: bool = True,
-    recompute: bool = False,
-    cuda_graphs: bool | None = None,
-    ekfac: EKFAC | None = None,
-    budget: int | str | None = None,
+    **overrides: Any,
 ) -> Path:
     """Per-example projected gradients of every example, one index row each (row = example index).
+
+    How they are collected is `settings` (`moe_attrib.settings.CollectSettings`; its defaults when None);
+    any of its fields may also be given as a keyword (`projection_dim=16`), a shortcut for
+    `settings.replace(...)`. The fields are described below by name.
 
     Batches are formed by token budget and written as they finish; with `resume=True` an
     interrupted build continues where it stopped. Under torchrun each rank takes every
@@ -95,6 +90,11 @@ def build_index(
     """
     from moe_attrib.version import __version__
 
+    (st,) = resolve("build_index", overrides, settings, kinds=(CollectSettings,))
+    track_moe_experts, filter_modules, expert_blocks = st.track_moe_experts, st.filter_modules, st.expert_blocks
+    projection_dim, seed, projection, index_dtype = st.projection_dim, st.seed, st.projection, st.index_dtype
+    token_batch_size, attribute_tokens, optimizer_state = st.token_batch_size, st.attribute_tokens, st.optimizer_state
+    recompute, cuda_graphs, budget = st.recompute, st.cuda_graphs, st.budget
     check_kind(projection)
     dist = dist or Dist(0, 1, next(model.parameters()).device)
     graph_min_batches = 0  # batches of one shape that earn it a graph; 0: no graphs
@@ -153,6 +153,7 @@ def build_index(
     num_rows = int(offsets[-1]) if attribute_tokens else len(examples)
     manifest = {
         "format_version": FORMAT_VERSION,
+        "settings_version": SETTINGS_VERSION,
         "moe_attrib_version": __version__,
         "complete": False,
         "rows": num_rows,
@@ -222,7 +223,7 @@ def build_index(
             progress=Progress("build", tokens=True) if progress else None,
             graph_min_batches=graph_min_batches,
             fused_experts=True,
-            per_token=attribute_tokens,
+            attribute_tokens=attribute_tokens,
             expert_blocks=expert_blocks,
         )
     dist.barrier()

@@ -3,8 +3,6 @@ paths and EK-FAC directories. Each failure is a `UsageError` naming the flag and
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 from pathlib import Path
 
@@ -12,62 +10,18 @@ import torch
 
 from moe_attrib.data import looks_like_hub_id
 from moe_attrib.errors import MoeAttribError
+from moe_attrib.settings import (  # noqa: F401 (the argument types, re-exported)
+    MAX_PROJECTION_DIM,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    projection_size,
+)
 
 
 class UsageError(MoeAttribError, ValueError):
     """A command line that cannot work as given; found before any directory is created or compute starts."""
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-MAX_PROJECTION_DIM = 4096  # a p x p block per weight: 16M values at this p
-
-
-def projection_size(text: str) -> int:
-    """`--projection_dim`: a positive integer up to `MAX_PROJECTION_DIM`."""
-    value = positive_int(text)
-    if value > MAX_PROJECTION_DIM:
-        raise argparse.ArgumentTypeError(
-            f"must be at most {MAX_PROJECTION_DIM} (each weight becomes a p x p block), got {text!r}; "
-            "for exact, unprojected rows pass --no_projection instead"
-        )
-    return value
-
-
-def _finite_float(text: str, ok, must: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and ok(value)):
-        raise argparse.ArgumentTypeError(f"must be {must}, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    return _finite_float(text, lambda v: v > 0, "a positive number")
-
-
-def nonnegative_float(text: str) -> float:
-    return _finite_float(text, lambda v: v >= 0, "a number >= 0")
 
 
 def check_device(spec: str | None, flag: str = "--device") -> None:
@@ -130,20 +84,6 @@ def check_parent_writable(path: Path, flag: str) -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UsageError(f"{flag} {path}: cannot create it ({parent} is not a writable directory).")
-
-
-def check_collection_args(args: argparse.Namespace) -> None:
-    """Everything about a `build`/`ekfac` command line that can be checked before loading anything."""
-    check_model_spec(args.model)
-    check_device(args.device)
-    if args.no_projection and args.projection_dim is not None:
-        raise UsageError(
-            f"--projection_dim {args.projection_dim} and --no_projection contradict each other; pass one of them."
-        )
-    if getattr(args, "optimizer_state", None):
-        if not Path(args.optimizer_state).exists():
-            raise UsageError(f"--optimizer_state {args.optimizer_state}: no such file or directory.")
-        args.optimizer_state = str(Path(args.optimizer_state).resolve())  # score re-reads it from anywhere
 
 
 def check_ekfac_dirs(dirs: list[str], settings: dict, index_path: str) -> None:

@@ -16,21 +16,25 @@ import torch
 
 from moe_attrib.checks import (
     UsageError,
-    check_collection_args,
     check_device,
-    check_ekfac_dirs,
     check_model_spec,
     check_out_dir,
-    check_parent_writable,
-    nonnegative_float,
     nonnegative_int,
-    positive_float,
     positive_int,
-    projection_size,
 )
 from moe_attrib.distributed import teardown
-from moe_attrib.graphs import AUTO_MIN_BATCHES
-from moe_attrib.loading import load_model, load_tokenizer, model_name, resolve_precision
+from moe_attrib.loading import load_model, load_tokenizer, resolve_precision
+from moe_attrib.settings import (
+    DEFAULT_PROJECTION_DIM,
+    PRECISIONS,
+    CollectSettings,
+    DataSettings,
+    EkfacSettings,
+    IndexSettings,
+    RefineSettings,
+    ScoreSettings,
+    add_flags,
+)
 
 
 @contextlib.contextmanager
@@ -100,188 +104,54 @@ def inspected_model(spec: str, precision: str) -> torch.nn.Module:
     return load_model(spec, precision)
 
 
-def load_inputs(args: argparse.Namespace, dist):
-    """Tokenizer, examples and model (on the rank's device) for `build` and `ekfac`. Rows longer than
-    the model's context are an error naming the row, or with `--truncate` cut there (`--max_length`
-    then records the cut, so that `score` reads the same rows again)."""
-    from moe_attrib.data import check_context, check_token_ids, context_length, load_examples
-
-    tokenizer = load_tokenizer(args.model, args.tokenizer)
-    examples = load_examples(args.data, tokenizer, args.text_field, args.max_length, args.truncate, args.split)
-    dtype = resolve_precision(args.precision, dist.device)
-    if dist.fsdp:
-        from moe_attrib.sharding import load_sharded
-
-        model = load_sharded(args.model, dtype, dist)
-    else:
-        model = load_model(args.model, dtype).to(dist.device)
-    check_token_ids(examples, model.get_input_embeddings().num_embeddings, args.data)
-    context = context_length(model)
-    check_context(examples, context, args.data, args.truncate)
-    if args.truncate and context is not None and (args.max_length is None or args.max_length > context):
-        args.max_length = context
-    return tokenizer, examples, model, getattr(tokenizer, "pad_token_id", None) or 0
-
-
-def fit_model(args: argparse.Namespace, dist, command: str):
-    """Before loading: does the model fit one device? A local safetensors checkpoint's size (from its
-    headers) against the device's free memory; under torchrun a model that does not fit is sharded
-    (`--fsdp`) automatically, without torchrun the error says how to launch it. Returns the `Dist`."""
-    from moe_attrib.distributed import setup
-    from moe_attrib.loading import checkpoint_numel, device_free_bytes
-    from moe_attrib.plan import choose_sharding
-
-    numel, free = checkpoint_numel(args.model), device_free_bytes(dist.device)
-    if numel is None or free is None:
-        return dist
-    if torch.distributed.is_initialized() and dist.world > 1:  # one decision for every rank: the tightest device
-        least = torch.tensor([free], dtype=torch.int64, device=dist.device)
-        torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
-        free = int(least.item())
-    size = torch.empty((), dtype=resolve_precision(args.precision, dist.device)).element_size()
-    torchrun = "MASTER_ADDR" in os.environ
-    shard, note = choose_sharding(numel * size, free, dist.world, dist.fsdp, torchrun, command)
-    if shard and not dist.fsdp:
-        if dist.is_main:
-            print(f"moe-attrib {command}: {note}", flush=True)
-        args.fsdp = True
-        dist = setup(args.device, fsdp=True)
-    return dist
-
-
-def print_sharding_plan(args: argparse.Namespace, model, dist, factors: bool = False) -> None:
-    """`--fsdp`: the memory plan per rank (parameters, activations, routed grid, factors) before the run."""
-    if not dist.fsdp or not dist.is_main:
-        return
-    from moe_attrib.plan import format_memory_plan, memory_plan
-    from moe_attrib.projection import PROJECTION
-
-    kind = getattr(args, "projection_kind", PROJECTION)
-    plan = memory_plan(
-        model, dist.world, args.token_batch_size, projection(args), args.track_moe_experts, factors, kind,
-        args.recompute_layers,
-    )  # fmt: skip
-    print(format_memory_plan(plan), flush=True)
-
-
-def data_settings(args: argparse.Namespace, tokenizer) -> dict:
-    """What an index / factors record so that the data can be read again exactly, from any directory."""
-    from moe_attrib.data import source_path
-    from moe_attrib.fingerprint import tokenizer_fingerprint
-
-    return {
-        "data": source_path(str(args.data)),
-        "text_field": args.text_field,
-        "split": args.split,
-        "tokenizer": source_path(args.tokenizer) if args.tokenizer else None,
-        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-        "max_length": args.max_length,
-        "truncate": args.truncate,
-    }
-
-
 def resume_command(argv: list[str]) -> str:
     argv = list(argv) + ([] if "--resume" in argv else ["--resume"])
     return "moe-attrib " + shlex.join(argv)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from moe_attrib.build import build_index, check_graphable
-    from moe_attrib.data import DataError
-    from moe_attrib.distributed import setup
-    from moe_attrib.experts import LayoutError
-    from moe_attrib.index import IndexFileError, check_index_target, part_dir
+    from moe_attrib.attribution import build_from_files
+    from moe_attrib.index import part_dir
 
+    check_projection_flags(args)
+    if args.projection_dim is None:
+        args.projection_dim = DEFAULT_PROJECTION_DIM
+    settings = CollectSettings.from_args(args, projection_dim=projection(args))
     try:
-        check_collection_args(args)
-        if args.projection_dim is None:
-            from moe_attrib.index import DEFAULT_PROJECTION_DIM
-
-            args.projection_dim = DEFAULT_PROJECTION_DIM
-        if not args.resume:
-            check_index_target(args.index, args.overwrite)
-        check_parent_writable(Path(args.index), "--index")
-        factors, budget = eigenbasis_args(args)
-    except (UsageError, IndexFileError, ValueError) as err:
-        print(f"moe-attrib build: error: {err}", file=sys.stderr)
-        return 2
-    try:
-        dist = fit_model(args, setup(args.device, fsdp=args.fsdp), "build")
-        if args.cuda_graphs == "on":
-            check_graphable(dist.device, args.recompute_layers, args.fsdp)
-    except (RuntimeError, UsageError, ValueError) as err:
-        print(f"moe-attrib build: error: {err}", file=sys.stderr)
-        return 2
-    try:
-        with notes():
-            tokenizer, examples, model, pad = load_inputs(args, dist)
-            print_sharding_plan(args, model, dist)
-            path = build_index(
-                model,
-                examples,
-                args.index,
-                model_name=model_name(args.model),
-                track_moe_experts=args.track_moe_experts,
-                projection_dim=projection(args),
-                seed=args.seed,
-                expert_blocks=args.expert_blocks,
-                token_batch_size=args.token_batch_size,
-                filter_modules=args.filter_modules,
-                attribute_tokens=args.attribute_tokens,
-                optimizer_state=args.optimizer_state,
-                resume=args.resume,
-                overwrite=args.overwrite,
-                index_dtype=args.index_dtype,
-                pad_id=pad,
-                extra_settings=data_settings(args, tokenizer),
-                dist=dist,
-                progress=not args.quiet,
-                recompute=args.recompute_layers,
-                cuda_graphs={"on": True, "off": False, "auto": None}[args.cuda_graphs],
-                ekfac=factors,
-                budget=budget,
-            )
+        with value_errors(), notes():
+            path = build_from_files(
+                args.model, args.data, args.index, settings, reading=DataSettings.from_args(args), ekfac=args.ekfac,
+                precision=args.precision, device=args.device, fsdp=args.fsdp, resume=args.resume,
+                overwrite=args.overwrite, progress=not args.quiet, log=say,
+            )  # fmt: skip
     except KeyboardInterrupt:
         if part_dir(args.index).exists():
             print(f"\ninterrupted; continue with: {resume_command(args.argv)}", file=sys.stderr)
         else:
             print("\ninterrupted before anything was written; run the command again.", file=sys.stderr)
         return 130
-    except (DataError, IndexFileError, LayoutError, UsageError, ValueError) as err:  # OptimizerStateError
-        print(f"moe-attrib build: error: {err}", file=sys.stderr)
-        return 2
-    if dist.is_main:
+    if is_main_process():
         manifest = json.loads((Path(path) / "manifest.json").read_text())
         print(f"index written to {path} ({manifest['rows']:,} rows for {manifest['examples']:,} examples)")
     return 0
 
 
-def eigenbasis_args(args: argparse.Namespace):
-    """`build --ekfac DIR [--budget SIZE]`: the factors (on the CPU) and the budget in bytes, checked
-    before any work; `(None, None)` for an index of seeded projections."""
-    from moe_attrib.eigenbasis import DEFAULT_BUDGET, parse_bytes
-    from moe_attrib.ekfac import load_ekfac
-    from moe_attrib.index import DEFAULT_PROJECTION_DIM
+def say(line: str) -> None:
+    """A line of what a command is doing, shown at once (before the work it is about)."""
+    print(line, flush=True)
 
-    if not args.ekfac:
-        if args.budget is not None:
-            raise UsageError("--budget allocates the eigen-directions of EK-FAC factors: give them with --ekfac DIR.")
-        return None, None
-    budget = parse_bytes(args.budget or DEFAULT_BUDGET)
-    if args.expert_blocks != "separate" or args.optimizer_state:
-        raise UsageError("--ekfac (an eigenbasis index) needs --expert_blocks separate and no --optimizer_state.")
-    factors = load_ekfac(args.ekfac)
-    sketch = factors.projection_dim
-    if (
-        args.no_projection
-        or args.projection_dim not in (DEFAULT_PROJECTION_DIM, sketch)
-        or args.seed not in (0, factors.seed)
-    ):
+
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun launch, or the only process."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def check_projection_flags(args: argparse.Namespace) -> None:
+    """`--projection_dim` and `--no_projection` together contradict each other."""
+    if args.no_projection and args.projection_dim is not None:
         raise UsageError(
-            f"--ekfac {args.ekfac}: an eigenbasis index uses the factors' sketch (projection_dim {sketch}, seed "
-            f"{factors.seed}); leave out --projection_dim, --no_projection and --seed."
+            f"--projection_dim {args.projection_dim} and --no_projection contradict each other; pass one of them."
         )
-    return factors, budget
 
 
 def index_projection(args: argparse.Namespace):
@@ -292,23 +162,22 @@ def index_projection(args: argparse.Namespace):
     from moe_attrib.projection import projection_kind
 
     index = load_index(args.index)
-    st = index.manifest["settings"]
+    made = index.settings
+    st = made.collect
     if args.projection_dim is None and not args.no_projection:
-        args.projection_dim = st["projection_dim"]
-        args.no_projection = st["projection_dim"] is None
+        args.projection_dim = st.projection_dim
+        args.no_projection = st.projection_dim is None
     if args.seed is None:
-        args.seed = st["seed"]
-    args.projection_kind = projection_kind(st)
+        args.seed = st.seed
+    args.projection_kind = projection_kind(index.manifest["settings"])
     if args.precision == "auto":  # the index's weights fingerprint is of the model in the index's dtype
-        args.precision = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(
-            st.get("dtype"), "auto"
-        )
-    if (projection(args), args.seed) != (st["projection_dim"], st["seed"]):
+        args.precision = PRECISIONS.get(made.dtype, "auto")
+    if (projection(args), args.seed) != (st.projection_dim, st.seed):
         raise UsageError(
             f"--projection_dim {args.projection_dim} --seed {args.seed} differ from the index {args.index} "
-            f"(projection_dim {st['projection_dim']}, seed {st['seed']}); leave them out to use the index's."
+            f"(projection_dim {st.projection_dim}, seed {st.seed}); leave them out to use the index's."
         )
-    if args.track_moe_experts != bool(st.get("track_moe_experts")):
+    if args.track_moe_experts != st.track_moe_experts:
         if args.track_moe_experts:
             raise UsageError(
                 f"--track_moe_experts: the index {args.index} was built without it, so its rows have no expert "
@@ -317,243 +186,97 @@ def index_projection(args: argparse.Namespace):
         args.track_moe_experts = True
         print(f"NOTE: the index {args.index} tracks the experts; fitting their factors too (--track_moe_experts).",
               file=sys.stderr)  # fmt: skip
-    if args.filter_modules != st.get("filter_modules"):
+    if args.filter_modules != st.filter_modules:
         if args.filter_modules is not None:
             raise UsageError(
                 f"--filter_modules {args.filter_modules!r} differs from the index {args.index}'s "
-                f"({st.get('filter_modules')!r}); leave it out to use the index's."
+                f"({st.filter_modules!r}); leave it out to use the index's."
             )
-        args.filter_modules = st.get("filter_modules")
+        args.filter_modules = st.filter_modules
     return index
 
 
 def cmd_ekfac(args: argparse.Namespace) -> int:
-    from moe_attrib.data import DataError, fingerprint
-    from moe_attrib.distributed import setup
-    from moe_attrib.ekfac import FactorMemoryError, fit_ekfac
-    from moe_attrib.experts import LayoutError
-    from moe_attrib.fingerprint import FingerprintError, check_model
-    from moe_attrib.index import IndexFileError
+    from moe_attrib.attribution import fit_from_files
     from moe_attrib.projection import PROJECTION
 
-    try:
-        check_collection_args(args)
-        check_device(args.factor_device, "--factor_device")
-        check_out_dir(args.out, args.overwrite, "--out")
-        index = index_projection(args)
-    except (UsageError, IndexFileError) as err:
-        print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
-        return 2
+    check_projection_flags(args)
+    check_model_spec(args.model)  # before the index is read
+    check_device(args.device)
+    check_device(args.factor_device, "--factor_device")
+    check_out_dir(args.out, args.overwrite, "--out")
+    index_projection(args)
     args.seed = 0 if args.seed is None else args.seed
     if args.projection_dim is None:
-        from moe_attrib.index import DEFAULT_PROJECTION_DIM
-
         args.projection_dim = DEFAULT_PROJECTION_DIM
-    try:
-        dist = fit_model(args, setup(args.device, fsdp=args.fsdp), "ekfac")
-    except (RuntimeError, UsageError) as err:
-        print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
-        return 2
-    try:
-        with notes():
-            tokenizer, examples, model, pad = load_inputs(args, dist)
-            print_sharding_plan(args, model, dist, factors=True)
-            if index is not None:
-                check_model(index.manifest["settings"], model, tokenizer, what=f"index {args.index}")
-            result = fit_ekfac(
-                model,
-                examples,
-                track_moe_experts=args.track_moe_experts,
-                filter_modules=args.filter_modules,
-                projection_dim=projection(args),
-                seed=args.seed,
-                projection=getattr(args, "projection_kind", PROJECTION),
-                damping=args.damping,
-                damping_scope=args.damping_scope,
-                sampled_labels=not args.empirical_fisher,
-                fold_bias=not args.no_fold_bias,
-                token_batch_size=args.token_batch_size,
-                pad_id=pad,
-                max_memory_gib=args.max_factor_memory,
-                factor_device=args.factor_device or dist.device,
-                dist=dist,
-                progress=not args.quiet,
-                recompute=args.recompute_layers,
-            )
-    except (DataError, LayoutError, FactorMemoryError, FingerprintError, UsageError, ValueError) as err:
-        print(f"moe-attrib ekfac: error: {err}", file=sys.stderr)
-        return 2
-    if dist.is_main:
-        settings = data_settings(args, tokenizer)
-        settings.update(
-            model=model_name(args.model),
-            data_fingerprint=fingerprint(examples),
-            dtype=str(next(model.parameters()).dtype),
-        )
-        result.settings.update(settings)
-        result.save(args.out)
+    collect = CollectSettings.from_args(args, projection_dim=projection(args))
+    with value_errors(), notes():
+        fit_from_files(
+            args.model, args.data, args.out, EkfacSettings.from_args(args),
+            collect=collect.replace(projection=getattr(args, "projection_kind", PROJECTION)), index=args.index,
+            reading=DataSettings.from_args(args), precision=args.precision, device=args.device, fsdp=args.fsdp,
+            overwrite=args.overwrite, progress=not args.quiet, log=say,
+        )  # fmt: skip
+    if is_main_process():
         print(f"EK-FAC factors written to {args.out}")
-    dist.barrier()  # every rank leaves together, after rank 0 has written
     return 0
-
-
-def training_examples(settings: dict, tokenizer, text_field: str) -> list:
-    """The index's training examples (texts, record fields), read again from the recorded data; an
-    error when the data no longer tokenize to what the index was built from (texts would land on
-    the wrong rows)."""
-    from moe_attrib.data import DataError, fingerprint, load_examples
-
-    source = settings["data"]
-    try:
-        train = load_examples(
-            source,
-            tokenizer,
-            settings.get("text_field", text_field),
-            settings.get("max_length"),
-            bool(settings.get("truncate")),
-            settings.get("split"),
-        )
-    except DataError as err:
-        raise DataError(
-            f"cannot read the index's training data again for its texts: {err} (or pass --no_texts)."
-        ) from err
-    if fingerprint(train) != settings["data_fingerprint"]:
-        raise DataError(
-            f"the training data {source} changed since the index was built (its token fingerprint differs), so "
-            "texts would be attached to the wrong rows; restore it, or pass --no_texts to score without texts."
-        )
-    return train
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from moe_attrib.balance import check_memory as check_balance_memory
-    from moe_attrib.balance import resolve_balance
-    from moe_attrib.coupling import check_memory as check_coupling_memory
-    from moe_attrib.coupling import fit_coupling
-    from moe_attrib.data import DataError, check_context, check_token_ids, context_length, fingerprint, load_examples
-    from moe_attrib.eigenbasis import check_factors
-    from moe_attrib.ekfac import load_ekfac
-    from moe_attrib.ensemble import info_path, load_matrices, matrix_info
-    from moe_attrib.fingerprint import FingerprintError, check_model
-    from moe_attrib.index import IndexFileError, load_index
-    from moe_attrib.outputs import scratch, write_text
+    from moe_attrib.attribution import QueryReading, score_queries
     from moe_attrib.results import results_format, write_results
-    from moe_attrib.score import ScoreError, query_gradients, score
 
     if args.run:
         return cmd_score_run(args)
-    try:
-        check_model_spec(args.model)
-        check_device(args.device)
-        if (args.damping is not None or args.damping_scope is not None) and not args.ekfac:
-            raise UsageError("--damping / --damping_scope re-damp EK-FAC factors; give --ekfac DIR (without it "
-                             "nothing is preconditioned and they would change nothing).")  # fmt: skip
-        for path in args.average_with or []:
-            if args.all_scores and Path(path).resolve() == Path(args.all_scores).resolve():
-                raise UsageError(f"--all_scores {args.all_scores} is also given to --average_with.")
-        index = load_index(args.index)
-        settings = index.manifest["settings"]
-        check_score_outputs(args, settings)
-        results_format(args.out)
-        ekfac_dirs = args.ekfac or []
-        check_ekfac_dirs(ekfac_dirs, settings, args.index)
-        if settings.get("eigenbasis") and ekfac_dirs:  # the factors its rows were rotated with, before any work
-            check_factors(settings, load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]), args.index)
-        tokenizer = load_tokenizer(args.model, args.tokenizer or settings.get("tokenizer"))
-        check_model(settings, None, tokenizer, what=f"index {args.index}")
-        train = None if args.no_texts else training_examples(settings, tokenizer, args.text_field)
-        queries = load_examples(args.queries, tokenizer, args.text_field, settings.get("max_length"), True)
-        if args.id_field:  # before any work: every query and training row must carry it
-            check_id_field(queries, args.id_field, args.queries)
-            if train is not None:
-                check_id_field(train, args.id_field, settings["data"])
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))  # --fsdp: its rank's
-        coupled = coupling_args(args)
-        if args.refine:  # the refined IHVP replaces EK-FAC, coupling and balance (docs/scoring.md#refinement)
-            coupled, ekfac_dirs, args.output_balance = check_refine(args, index), [], False
-        if coupled:  # before the model is loaded
-            check_coupling_memory(index, args.coupling_sample, device, args.coupling_rank)
-        balanced = args.output_balance and args.modules is None  # a --modules score is never balanced
-        if balanced:
-            check_balance_memory(index)
-        scored_with = (args.unit_normalize, args.modules, bool(ekfac_dirs), coupled, balanced)
-        own = matrix_info(index, fingerprint(queries), len(queries), *scored_with)
-        others = load_matrices(args.average_with, own) if args.average_with else []  # checked before any work
-        dtype = getattr(torch, settings["dtype"].removeprefix("torch."))
-        if args.fsdp:  # query gradients with the model sharded over torchrun's ranks; rank 0 scores
-            from moe_attrib.distributed import setup
-            from moe_attrib.sharding import load_sharded
 
-            try:
-                dist = setup(args.device, fsdp=True)
-            except RuntimeError as err:
-                raise UsageError(str(err)) from err
-            device, model = dist.device, load_sharded(args.model, dtype, dist)
-        else:
-            dist, model = None, load_model(args.model, dtype)
-        check_model(settings, model, what=f"index {args.index}")
-        check_token_ids(queries, model.get_input_embeddings().num_embeddings, args.queries)
-        check_context(queries, context_length(model), args.queries, truncate=False, can_truncate=False)
-        if dist is None:
-            model = model.to(device)
-        ekfac = load_ekfac(ekfac_dirs if len(ekfac_dirs) > 1 else ekfac_dirs[0]) if ekfac_dirs else None
-        pad = getattr(tokenizer, "pad_token_id", None) or 0
-        longest = max(len(ex.input_ids) for ex in queries)
-        q, query_counts = query_gradients(
-            model, queries, index, pad_id=pad, with_counts=True, token_batch_size=max(8192, longest)
-        )
-        if args.refine:
-            q = refine_cli(args, model, index, training_examples(settings, tokenizer, args.text_field), queries, pad)
-        if dist is not None and not dist.is_main:
-            return 0
-        if ekfac is not None and (args.damping is not None or args.damping_scope is not None):
-            damping = ekfac.settings.get("damping") if args.damping is None else args.damping
-            ekfac = ekfac.with_damping(damping, args.damping_scope or ekfac.settings.get("damping_scope", "expert"))
-        opts = dict(ekfac=ekfac, unit_normalize=args.unit_normalize, modules=args.modules, device=device)
-        opts["coupling"] = fit_coupling(index, **opts, **coupled, progress=True) if coupled else None
-        if opts["coupling"] is not None:
-            st = opts["coupling"].settings
-            print(f"cross-module coupling: gamma {st['gamma']:g}, rank {st['rank']}, from {st['sample']} of "
-                  f"{st['rows']} index rows (--coupling_gamma 0 turns it off)")  # fmt: skip
-        opts["balance"] = resolve_balance(index, "auto" if balanced else None, **opts, progress=True)
-        if opts["balance"] is not None:
-            print(f"output-layer balance: lm_head's vote counted as much as the whole model's, spreads from "
-                  f"{opts['balance'].settings['sample']} index rows (--no-output_balance turns it off)")  # fmt: skip
-        with scratch(args.all_scores) as matrix:  # --all_scores's temporary name, renamed into place below
-            if others or args.all_scores:  # one pass over the index: the top-k is read back from the matrix
-                result = matrix_scores(args, index, q, others, opts, matrix)
-            else:
-                result = score(index, q, top_k=args.top_k, per_module=args.per_module, progress=True, **opts)
-            records = result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, opts, result)
-            if args.all_scores:  # no moment where the old description sits beside the new matrix
-                info_path(args.all_scores).unlink(missing_ok=True)
-                os.replace(matrix, args.all_scores)
-                write_text(info_path(args.all_scores), json.dumps(own, indent=2))
-    except (DataError, IndexFileError, ScoreError, FingerprintError, UsageError, FileNotFoundError, ValueError) as err:
-        print(f"moe-attrib score: error: {err}", file=sys.stderr)
-        return 2
-    write_results(records, args.out)
-    print(f"scores for {len(queries)} queries written to {args.out}")
+    def check_files(index) -> None:  # before any compute: new outputs, none of them an input
+        check_score_outputs(args, index.settings)
+        results_format(args.out)
+
+    reading = QueryReading(args.text_field, args.tokenizer, not args.no_texts, args.id_field)
+    with value_errors():
+        done = score_queries(
+            args.index, args.model, args.queries, ScoreSettings.from_args(args), ekfac=args.ekfac,
+            refine=RefineSettings.from_args(args), refine_ekfac=args.refine_ekfac, all_scores=args.all_scores,
+            average_with=args.average_with, reading=reading, device=args.device, fsdp=args.fsdp,
+            before_work=check_files, log=print,
+        )  # fmt: skip
+    if done is None:  # another rank than 0 of an --fsdp run
+        return 0
+    write_results(done.records, args.out)
+    print(f"scores for {len(done.queries)} queries written to {args.out}")
     if args.report:
         from moe_attrib.report import write_report
 
-        print(f"report written to {write_report(records, index, args.report)}")
+        print(f"report written to {write_report(done.records, done.index, args.report)}")
     return 0
 
 
-def index_inputs(path: str, settings: dict) -> dict[str, str | None]:
+@contextlib.contextmanager
+def value_errors():
+    """A plain `ValueError` raised by the library for what a command line asked (an argument no module
+    matches, a budget that buys nothing) reaches `main()` as a `UsageError`: one line, exit status 2."""
+    try:
+        yield
+    except ValueError as err:
+        if isinstance(err, UsageError):
+            raise
+        raise UsageError(str(err)) from err
+
+
+def index_inputs(path: str, settings: IndexSettings) -> dict[str, str | None]:
     """The files an index records (and the index itself): no command's output may replace them."""
     recorded = {
         "the index": path,
-        "the training data the index records": settings.get("data"),
-        "the tokenizer the index records": settings.get("tokenizer"),
-        "the optimizer state the index records": settings.get("optimizer_state"),
-        "the model the index records": settings.get("model"),
+        "the training data the index records": settings.data,
+        "the tokenizer the index records": settings.reading.tokenizer,
+        "the optimizer state the index records": settings.collect.optimizer_state,
+        "the model the index records": settings.model,
     }
     return {what: p for what, p in recorded.items() if p and Path(p).exists()}
 
 
-def check_score_outputs(args: argparse.Namespace, settings: dict) -> None:
+def check_score_outputs(args: argparse.Namespace, settings: IndexSettings) -> None:
     """`score`'s output files: new (or `--overwrite`), distinct, and none of the run's inputs."""
     from moe_attrib.ensemble import info_path
     from moe_attrib.outputs import check_outputs
@@ -574,49 +297,10 @@ def check_score_outputs(args: argparse.Namespace, settings: dict) -> None:
     check_outputs(outs, overwrite=args.overwrite, inputs=inputs)
 
 
-def check_id_field(examples: list, id_field: str, source: str) -> None:
-    """`--id_field` names a scalar field of every row of `source` (checked before any compute)."""
-    from moe_attrib.results import ResultsError
-
-    for ex in examples:
-        if id_field not in ex.fields:
-            raise ResultsError(
-                f"{source}: row {ex.index} has no scalar field {id_field!r} to use as --id_field "
-                f"(its fields: {sorted(ex.fields) or 'none besides the text'})."
-            )
-
-
-def check_refine(args: argparse.Namespace, index) -> dict:
-    """`score --refine`: what it cannot be combined with, refused before the model is loaded; no coupling."""
-    if args.refine < 0 or args.refine_damping <= 0:
-        raise UsageError(f"--refine {args.refine} / --refine_damping {args.refine_damping}: need N >= 0, D > 0.")
-    for flag, given in (("--ekfac", args.ekfac), ("--fsdp", args.fsdp), ("--average_with", args.average_with)):
-        if given:
-            raise UsageError(f"--refine replaces EK-FAC scoring and cannot be combined with {flag}.")
-    return {}
-
-
-def refine_cli(args: argparse.Namespace, model, index, train: list, queries: list, pad: int):
-    """`score --refine N`: the refined query rows (`moe_attrib.ihvp.refine_queries`), cost printed."""
-    import numpy as np
-
-    from moe_attrib.ekfac import load_ekfac
-    from moe_attrib.ihvp import refine_queries
-
-    ekfac = load_ekfac(args.refine_ekfac) if args.refine_ekfac else None
-    refined = refine_queries(
-        model, train, queries, index, ekfac=ekfac, iterations=args.refine, damping=args.refine_damping,
-        examples=args.refine_examples, pad_id=pad, progress=True,
-    )  # fmt: skip
-    print(f"refined {len(queries)} queries: {args.refine} CG iterations, {refined.products} GGN products per query "
-          f"over {refined.settings['examples']} training rows, median relative residual "
-          f"{float(np.median(refined.residuals[-1])):.3g}")  # fmt: skip
-    return refined
-
-
 def cmd_score_run(args: argparse.Namespace) -> int:
     """`score --run RUN_DIR MODEL QUERIES`: every checkpoint of a training run (`moe_attrib.trainer`), ranked by
     the mean of their scores (`moe_attrib.ensemble.score_run`); MODEL gives the tokenizer."""
+    from moe_attrib.attribution import training_examples
     from moe_attrib.data import load_examples
     from moe_attrib.ensemble import score_run
     from moe_attrib.outputs import check_outputs
@@ -635,10 +319,7 @@ def cmd_score_run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model, args.tokenizer)
     queries = load_examples(args.queries, tokenizer, args.text_field, None, True)
     run = score_run(
-        args.run, queries, tokenizer=tokenizer, top_k=args.top_k, unit_normalize=args.unit_normalize,
-        modules=args.modules, damping=args.damping, damping_scope=args.damping_scope,
-        coupling_gamma=args.coupling_gamma, coupling_rank=args.coupling_rank,
-        coupling_sample=args.coupling_sample, output_balance=args.output_balance,
+        args.run, queries, ScoreSettings.from_args(args), tokenizer=tokenizer,
         pad_id=getattr(tokenizer, "pad_token_id", None) or 0, device=args.device, progress=True,
     )  # fmt: skip
     settings = run.index.manifest["settings"]
@@ -657,129 +338,59 @@ def cmd_score_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def matrix_scores(args: argparse.Namespace, index, q, others: list, opts: dict, matrix: Path):
-    """`score --all_scores` / `--average_with`: the top-k of this run's score matrix (written to
-    `matrix`, `--all_scores`'s temporary name, else a temporary file), or of its mean with `others`
-    (other checkpoints', checked by `load_matrices`), in one pass over the index; per-module parts, if
-    asked, are this checkpoint's part of each hit."""
-    import tempfile
-
-    from moe_attrib.ensemble import mean_top_k
-    from moe_attrib.score import Scores, hit_parts, score_matrix
-
-    with tempfile.TemporaryDirectory(prefix="moe-attrib-scores-") as tmp:
-        out = matrix if args.all_scores else Path(tmp) / "scores.npy"
-        mine = score_matrix(index, q, out=out, progress=True, **opts)
-        values, rows = mean_top_k([mine, *others], args.top_k)
-        del mine
-    parts = hit_parts(index, q, rows, **opts) if args.per_module else None
-    if others:
-        print(f"ranked by the mean of {len(others) + 1} score matrices (this run's and --average_with's)")
-    return Scores(values, rows, parts)
-
-
-def result_records(args, index, queries, train, tokenizer, q, query_counts, ekfac, opts, result) -> list[dict]:
-    """Score records with the query's routing and, for a token index, the hit examples' token shares."""
-    import numpy as np
-
-    from moe_attrib.details import token_scores
-    from moe_attrib.results import score_records
-
-    shares = None
-    if index.token_offsets is not None:
-        positions = np.searchsorted(index.token_offsets, result.rows.reshape(-1), side="right") - 1
-        shares = token_scores(
-            index,
-            q,
-            positions.tolist(),
-            ekfac=ekfac,
-            unit_normalize=args.unit_normalize,
-            modules=args.modules,
-            coupling=opts["coupling"],
-            balance=opts["balance"],
-        )
-    return score_records(
-        queries,
-        result,
-        index,
-        train,
-        id_field=args.id_field,
-        query_counts=query_counts,
-        token_scores=shares,
-        tokenizer=tokenizer,
-        query_source=args.queries,
-    )
-
-
 def cmd_show(args: argparse.Namespace) -> int:
     from moe_attrib.report import show_text
-    from moe_attrib.results import ResultsError, read_results
+    from moe_attrib.results import read_results
 
-    try:
-        records = read_results(args.scores)
-    except ResultsError as err:
-        print(f"moe-attrib show: error: {err}", file=sys.stderr)
-        return 2
+    records = read_results(args.scores)
     print(show_text(records, top=args.top, experts=args.experts))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from moe_attrib.index import IndexFileError, load_index
+    from moe_attrib.index import load_index
     from moe_attrib.outputs import check_output
     from moe_attrib.report import write_report
     from moe_attrib.results import ResultsError, index_fingerprint, read_results
 
-    try:
-        index = load_index(args.index)
-        inputs = {"the scores file being read": args.scores, **index_inputs(args.index, index.manifest["settings"])}
-        check_output(args.out, "--out", overwrite=args.overwrite, inputs=inputs)
-        records = read_results(args.scores)
-        own = index_fingerprint(index)
-        carried = sorted({r["index_fingerprint"] for r in records if "index_fingerprint" in r})
-        if carried and carried != [own]:
-            raise ResultsError(
-                f"{args.scores}: computed against another index than {args.index} (index fingerprint "
-                f"{', '.join(carried)} vs {own}: another model, training data or build settings), so its routing "
-                "and summary would be another model's; give the --index these scores were computed against."
-            )
-        if not carried and records:
-            print(f"NOTE: {args.scores} carries no index fingerprint (written by an older moe-attrib); only its "
-                  "example numbers are checked against the index.", file=sys.stderr)  # fmt: skip
-        unknown = sorted({h["example"] for r in records for h in r["results"]} - set(index.manifest["example_ids"]))
-        if unknown:
-            raise ResultsError(
-                f"{args.scores}: examples {unknown[:5]} are not in the index {args.index}; "
-                "give the index these scores were computed against."
-            )
-    except (ResultsError, IndexFileError, UsageError) as err:
-        print(f"moe-attrib report: error: {err}", file=sys.stderr)
-        return 2
+    index = load_index(args.index)
+    inputs = {"the scores file being read": args.scores, **index_inputs(args.index, index.settings)}
+    check_output(args.out, "--out", overwrite=args.overwrite, inputs=inputs)
+    records = read_results(args.scores)
+    own = index_fingerprint(index)
+    carried = sorted({r["index_fingerprint"] for r in records if "index_fingerprint" in r})
+    if carried and carried != [own]:
+        raise ResultsError(
+            f"{args.scores}: computed against another index than {args.index} (index fingerprint "
+            f"{', '.join(carried)} vs {own}: another model, training data or build settings), so its routing "
+            "and summary would be another model's; give the --index these scores were computed against."
+        )
+    if not carried and records:
+        print(f"NOTE: {args.scores} carries no index fingerprint (written by an older moe-attrib); only its "
+              "example numbers are checked against the index.", file=sys.stderr)  # fmt: skip
+    unknown = sorted({h["example"] for r in records for h in r["results"]} - set(index.manifest["example_ids"]))
+    if unknown:
+        raise ResultsError(
+            f"{args.scores}: examples {unknown[:5]} are not in the index {args.index}; "
+            "give the index these scores were computed against."
+        )
     print(f"report written to {write_report(records, index, args.out, top=args.top)}")
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from moe_attrib.info import InfoError, format_summary, summarize
+    from moe_attrib.info import format_summary, summarize
 
-    try:
-        print(format_summary(summarize(args.dir)))
-    except InfoError as err:
-        print(f"moe-attrib info: error: {err}", file=sys.stderr)
-        return 2
+    print(format_summary(summarize(args.dir)))
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from moe_attrib.demo import DemoError, run_demo
+    from moe_attrib.demo import run_demo
 
     warnings.filterwarnings("ignore", message=".*--track_moe_experts.*")
-    try:
-        run_demo(args.out, steps=args.steps, seed=args.seed, projection_dim=args.projection_dim,
-                 progress=not args.quiet, overwrite=args.overwrite)  # fmt: skip
-    except DemoError as err:
-        print(f"moe-attrib demo: error: {err}", file=sys.stderr)
-        return 2
+    run_demo(args.out, steps=args.steps, seed=args.seed, projection_dim=args.projection_dim,
+             progress=not args.quiet, overwrite=args.overwrite)  # fmt: skip
     return 0
 
 
@@ -789,29 +400,19 @@ def add_collection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "data", help="JSONL / JSON / text / CSV / Parquet file, a datasets directory, or a hub dataset (org/name)"
     )
-    parser.add_argument("--track_moe_experts", action="store_true", help="attribute every expert of fused MoE layers")
-    parser.add_argument("--filter_modules", default=None, help="glob over module names, e.g. '*.mlp.*'")
+    add_flags(parser, CollectSettings, ["track_moe_experts", "filter_modules"])
     parser.add_argument(
         "--precision",
         default="auto",
         choices=["auto", "fp32", "bf16", "fp16"],
         help="dtype the model runs in (auto: bf16 on a CUDA device that has it, else fp32)",
     )
-    parser.add_argument("--token_batch_size", type=positive_int, default=8192, help="padded tokens per batch")
-    parser.add_argument("--max_length", type=positive_int, default=None, help="longest example (see --truncate)")
-    parser.add_argument("--truncate", action="store_true", help="cut examples longer than --max_length")
-    parser.add_argument("--text_field", default="text", help="field of each record that holds its text")
-    parser.add_argument("--split", default=None, help="split of a datasets directory / hub dataset (default: train)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory, for a model directory without one")
+    add_flags(parser, CollectSettings, ["token_batch_size"])
+    add_flags(parser, DataSettings, ["max_length", "truncate", "text_field", "split", "tokenizer"])
     parser.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if available, else cpu")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--fsdp", action="store_true", help=FSDP_HELP)
-    parser.add_argument(
-        "--recompute_layers",
-        action="store_true",
-        help="keep only each decoder layer's inputs and run it again in the backward: far less activation "
-        "memory (same rows) for one more forward per batch",
-    )
+    add_flags(parser, CollectSettings, ["recompute"])
 
 
 OVERWRITE_HELP = "replace output files that exist (never an input of the run, nor a file the index records)"
@@ -851,69 +452,21 @@ def add_projection_args(parser: argparse.ArgumentParser, from_index: bool = Fals
     """`--projection_dim`/`--no_projection`/`--seed`, shared by `build` and `ekfac` (they must agree).
 
     With `from_index` (ekfac's `--index DIR`) both default to None: the index's, else the defaults."""
-    from moe_attrib.index import DEFAULT_PROJECTION_DIM
-
-    parser.add_argument(
-        "--projection_dim",
-        type=projection_size,
-        default=None,
-        help=f"p: each weight block is p x p (default {DEFAULT_PROJECTION_DIM}"
-        + (", or the index's)" if from_index else ")"),
-    )
+    index = {"help": f"p: each weight block is p x p (default {DEFAULT_PROJECTION_DIM}, or the index's)"}
+    add_flags(parser, CollectSettings, ["projection_dim"], projection_dim=index if from_index else {})
     parser.add_argument("--no_projection", action="store_true", help="exact, unprojected rows (small models)")
-    parser.add_argument(
-        "--seed", type=int, default=None if from_index else 0, help="projection seed (and EK-FAC label sampling)"
-    )
+    add_flags(parser, CollectSettings, ["seed"], seed={"default": None} if from_index else {})
 
 
 def add_damping_args(parser: argparse.ArgumentParser, override: bool = False) -> None:
     """`--damping`/`--damping_scope`: the fit's damping, or (`override`, for score) a re-damping of fitted factors."""
-    from moe_attrib.ekfac import DAMPING_SCOPES, DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE
-
-    parser.add_argument(
-        "--damping",
-        type=nonnegative_float,
-        default=None if override else DEFAULT_DAMPING,
-        help="relative damping: x mean(corrected eigenvalue) over --damping_scope"
-        + (" (default: the factors' own)" if override else ""),
-    )
-    parser.add_argument(
-        "--damping_scope",
-        default=None if override else DEFAULT_DAMPING_SCOPE,
-        choices=DAMPING_SCOPES,
-        help="mean over each expert, each module (all its experts) or the whole model",
-    )
+    add_flags(parser, ScoreSettings if override else EkfacSettings, ["damping", "damping_scope"])
 
 
 def add_coupling_args(parser: argparse.ArgumentParser) -> None:
     """`--coupling_gamma/_rank/_sample`: the cross-module coupling of the scores, and `--output_balance`
     (docs/scoring.md)."""
-    from moe_attrib.coupling import DEFAULT_GAMMA, DEFAULT_RANK, DEFAULT_SAMPLE
-
-    parser.add_argument(
-        "--coupling_gamma",
-        type=nonnegative_float,
-        default=DEFAULT_GAMMA,
-        help="strength of the cross-module coupling fitted from the index's own rows (0: off)",
-    )
-    parser.add_argument("--coupling_rank", type=positive_int, default=DEFAULT_RANK, help="its rank")
-    parser.add_argument(
-        "--coupling_sample", type=positive_int, default=DEFAULT_SAMPLE, help="index rows it is fitted from"
-    )
-    parser.add_argument(
-        "--output_balance",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="count the output layer's (lm_head's) vote as much as the whole model's (default: on; never with "
-        "--modules; docs/scoring.md)",
-    )
-
-
-def coupling_args(args: argparse.Namespace) -> dict | None:
-    """The coupling's settings as given (None: off); they are part of how a score matrix was scored."""
-    if args.coupling_gamma == 0:
-        return None
-    return {"gamma": args.coupling_gamma, "rank": args.coupling_rank, "sample": args.coupling_sample}
+    add_flags(parser, ScoreSettings, ["coupling_gamma", "coupling_rank", "coupling_sample", "output_balance"])
 
 
 def projection(args: argparse.Namespace) -> int | None:
@@ -938,33 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_collection_args(build)
     build.add_argument("--index", required=True, help="output directory (written as DIR.part, renamed when done)")
     add_projection_args(build)
-    build.add_argument(
-        "--expert_blocks",
-        default="separate",
-        choices=["separate", "sum"],
-        help="separate: columns per expert (per-expert scores); sum: one block per layer, experts summed",
-    )
-    build.add_argument("--attribute_tokens", action="store_true", help="one row per token instead of per example")
-    build.add_argument(
-        "--optimizer_state",
-        default=None,
-        help="torch optimizer state / HF Trainer checkpoint: Adam/Adafactor normalisation",
-    )
-    build.add_argument(
-        "--index_dtype",
-        default="float32",
-        choices=["float32", "float16", "bfloat16"],
-        help="how rows are stored: 16-bit halves the index and scoring time (effect on scores: docs/build.md)",
-    )
-    build.add_argument(
-        "--cuda_graphs",
-        nargs="?",
-        const="on",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="replay unpadded batches of a repeated shape from CUDA graphs: the same rows, faster at small "
-        f"--token_batch_size (host-bound steps). auto (default): on CUDA, for shapes of >= {AUTO_MIN_BATCHES} batches; "
-        "on (or the bare flag): every repeated shape, an error where it cannot run; off: never (docs/build.md)",
+    add_flags(
+        build, CollectSettings, ["expert_blocks", "attribute_tokens", "optimizer_state", "index_dtype", "cuda_graphs"]
     )
     build.add_argument(
         "--ekfac",
@@ -973,12 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="EK-FAC factors (moe-attrib ekfac --out DIR): store rows in their eigenbasis, columns allocated by "
         "--budget; the factors' sketch replaces --projection_dim/--seed (docs/build.md)",
     )
-    build.add_argument(
-        "--budget",
-        default=None,
-        help="bytes per example of an eigenbasis index (--ekfac), e.g. 256KiB or 1MiB (default 1MiB; "
-        "best with --index_dtype bfloat16: docs/build.md)",
-    )
+    add_flags(build, CollectSettings, ["budget"])
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")
     build.add_argument("--overwrite", action="store_true", help="replace an existing index in DIR (only its files)")
     build.set_defaults(func=cmd_build)
@@ -990,22 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     ekfac.add_argument("--index", default=None, help="index the factors are for: check model, take its projection")
     ekfac.add_argument("--overwrite", action="store_true", help="replace the factor files in a non-empty --out")
     add_damping_args(ekfac)
-    ekfac.add_argument(
-        "--empirical_fisher",
-        action="store_true",
-        help="use the data's labels (empirical Fisher) instead of labels drawn from the model (true Fisher)",
-    )
-    ekfac.add_argument(
-        "--no_fold_bias",
-        action="store_true",
-        help="leave biases unpreconditioned instead of folding each into its weight's factors (a ones column)",
-    )
-    ekfac.add_argument("--max_factor_memory", type=positive_float, default=None, help="GiB; refuse to fit above it")
-    ekfac.add_argument("--factor_device", default=None, help="where factors live (default: the model's device)")
+    add_flags(ekfac, EkfacSettings, ["sampled_labels", "fold_bias", "max_memory_gib", "factor_device"])
     ekfac.set_defaults(func=cmd_ekfac)
-
-    from moe_attrib.ihvp import DEFAULT_DAMPING as REFINE_DAMPING
-    from moe_attrib.score import DEFAULT_UNIT_NORMALIZE
 
     sc = sub.add_parser("score", help="top training examples of an index for each query")
     source = sc.add_mutually_exclusive_group(required=True)
@@ -1019,15 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument(
         "--ekfac", action="append", default=None, help="EK-FAC dir fitted for the index (repeat for partitions)"
     )
-    sc.add_argument(
-        "--unit_normalize",
-        action=argparse.BooleanOptionalAction,
-        default=DEFAULT_UNIT_NORMALIZE,
-        help="cosine after preconditioning (--no-unit_normalize: inner product)",
-    )
-    sc.add_argument(
-        "--modules", default=None, help="score through the blocks matching this glob only, e.g. '*.experts.*'"
-    )
+    add_flags(sc, ScoreSettings, ["unit_normalize", "modules"])
     add_damping_args(sc, override=True)
     add_coupling_args(sc)
     sc.add_argument(
@@ -1043,24 +544,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank by the mean of this run's scores and these --all_scores matrices of other checkpoints "
         "(same data and queries): docs/scoring.md",
     )
-    sc.add_argument("--top_k", type=positive_int, default=10, help="training rows kept per query")
-    sc.add_argument(
-        "--refine",
-        type=int,
-        default=0,
-        metavar="N",
-        help="refine each query by N CG iterations of "
-        "exact Gauss-Newton products over the training data (docs/scoring.md#refinement); 0: off",
-    )
+    add_flags(sc, ScoreSettings, ["top_k"])
+    add_flags(sc, RefineSettings, ["iterations"])
     sc.add_argument(
         "--refine_ekfac",
         default=None,
         metavar="DIR",
         help="EK-FAC fitted with --no_projection: the refinement's preconditioner (default: none, plain CG)",
     )
-    sc.add_argument("--refine_damping", type=float, default=REFINE_DAMPING, help="x the mean eigenvalue of G")
-    sc.add_argument("--refine_examples", type=int, default=None, help="training rows the GGN averages over (all)")
-    sc.add_argument("--per_module", action="store_true", help="per-layer and per-expert breakdown of each score")
+    add_flags(sc, RefineSettings, ["damping", "examples"])
+    add_flags(sc, ScoreSettings, ["per_module"])
     sc.add_argument("--text_field", default="text", help="text field of the queries (the index records its own)")
     sc.add_argument("--tokenizer", default=None, help="default: the index's --tokenizer, else the model's")
     sc.add_argument("--no_texts", action="store_true", help="do not re-read the training data; hits have no text")

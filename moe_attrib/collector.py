@@ -306,7 +306,7 @@ class GradientCollector:
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         fused_experts: bool = False,
-        per_token: bool = False,
+        attribute_tokens: bool = False,
         expert_blocks: str = "separate",
         sample_labels: bool = False,
     ) -> PerExampleGradients:
@@ -314,7 +314,7 @@ class GradientCollector:
 
         With `fused_experts=True` each experts projection comes as one `[N, E, ...]` block keyed
         `<experts>.<proj>.weight` (what the index stores) instead of one key per expert.
-        With `per_token=True` (implies fused blocks) every tensor gains a token axis after N:
+        With `attribute_tokens=True` (implies fused blocks) every tensor gains a token axis after N:
         token t's share `outer(dy_t, x_t)`, so the tokens of an example sum to its gradient; an
         experts block is `[N, S, E, ...]`, or `[N, S, ...]` summed over the experts the token was
         routed to with `expert_blocks="sum"`. `sample_labels=True` draws next tokens from the
@@ -324,7 +324,7 @@ class GradientCollector:
         if self.capture is None:
             raise RuntimeError("GradientCollector.collect() needs an entered collector: `with GradientCollector(...)`.")
         capture = self.capture
-        fused_experts = fused_experts or per_token
+        fused_experts = fused_experts or attribute_tokens
         n, s = input_ids.shape
         mask = attention_mask.reshape(-1).to(torch.float32) if attention_mask is not None else None
         batch = BatchInfo(n, s, mask)
@@ -350,7 +350,7 @@ class GradientCollector:
             if self.row_sink is not None:
                 self.row_sink(capture.records, batch)
                 results = {}
-            elif per_token:
+            elif attribute_tokens:
                 results = form_tokens(capture.records, batch, expert_blocks)
             else:
                 results = form_examples(capture.records, n, self.kernels)
@@ -363,7 +363,7 @@ class GradientCollector:
             result = PerExampleGradients()
             result.losses, result.expert_counts, result.expert_layers = losses.detach(), None, []
             return result
-        tokens = s if per_token else 0
+        tokens = s if attribute_tokens else 0
         return self._package(results, counts, losses.detach(), n, fused_experts, tokens, expert_blocks)
 
     def _forward(self, head: FusedHead | None, batch: BatchInfo, input_ids, attention_mask, labels) -> tuple:

@@ -34,10 +34,8 @@ from tqdm.auto import tqdm
 from moe_attrib.ekfac import EKFAC
 from moe_attrib.index import Index
 from moe_attrib.precondition import ScoreError, check_fitted, module_blocks, module_columns, precondition_queries
+from moe_attrib.settings import DEFAULT_GAMMA, DEFAULT_RANK, DEFAULT_SAMPLE
 
-DEFAULT_GAMMA = 30.0
-DEFAULT_RANK = 64
-DEFAULT_SAMPLE = 512
 CHUNK_ROWS = 64
 
 

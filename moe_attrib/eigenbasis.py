@@ -41,10 +41,10 @@ from moe_attrib.ekfac import EKFAC, Factor
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.index import INDEX_DTYPES, Block
 from moe_attrib.projection import Projections
+from moe_attrib.settings import DEFAULT_BUDGET
 
 EIGENBASIS = "ekfac-eigen-v1"  # recorded as settings["eigenbasis"]["kind"]
 BASIS_FILE = "eigenbasis.safetensors"
-DEFAULT_BUDGET = 2**20  # bytes per example: 1 MiB (docs/build.md: the LDS frontier)
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -262,11 +262,11 @@ class EigenPlan:
             mat = self._mats[key] = q.to(like.dtype).contiguous()
         return mat
 
-    def flatten(self, grads: dict, per_token: bool = False) -> torch.Tensor:
+    def flatten(self, grads: dict, attribute_tokens: bool = False) -> torch.Tensor:
         """float32 rows `[N, dim]` (`[N, S, dim]` per token) in plan order from a fused `collect` result
         made with `projector`: each block's rectangle, a folded bias added as its weight's extra input
         direction; targets that received no gradient (`grads.missing`) give zeros."""
-        lead = 2 if per_token else 1
+        lead = 2 if attribute_tokens else 1
         missing = getattr(grads, "missing", frozenset())
         parts = []
         for t in self.targets:

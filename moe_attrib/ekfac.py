@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,16 +35,21 @@ from moe_attrib.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.distributed import Dist
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.index import DEFAULT_PROJECTION_DIM
 from moe_attrib.layouts import Kernels
 from moe_attrib.loop import CollectionLoop, Progress, Step
 from moe_attrib.projection import PROJECTION, Projections, check_kind, projection_kind, side_width
-
-DEFAULT_DAMPING = 1.0  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md)
-DEFAULT_DAMPING_SCOPE = "model"
-DEFAULT_SAMPLED_LABELS = True  # the true Fisher (labels drawn from the model), not the empirical one
-DAMPING_SCOPES = ("expert", "module", "model")
-DEFAULT_FOLD_BIAS = True  # bias preconditioned with its weight (docs/quality.md)
+from moe_attrib.settings import (  # noqa: F401 (re-exported)
+    DAMPING_SCOPES,
+    DEFAULT_DAMPING,
+    DEFAULT_DAMPING_SCOPE,
+    DEFAULT_FOLD_BIAS,
+    DEFAULT_SAMPLED_LABELS,
+    SETTINGS_VERSION,
+    CollectSettings,
+    EkfacSettings,
+    check_version,
+    resolve,
+)
 
 
 class FactorMemoryError(MoeAttribError, MemoryError):
@@ -151,7 +157,8 @@ class EKFAC:
                     tensors[f"{name}::{key}"] = value.contiguous().cpu()
         with temporary(path / "factors.safetensors") as tmp:
             save_file(tensors, str(tmp))
-        info = {"projection_dim": self.projection_dim, "seed": self.seed, "settings": self.settings, "factors": meta}
+        info = {"settings_version": SETTINGS_VERSION, "projection_dim": self.projection_dim, "seed": self.seed}
+        info.update(settings=self.settings, factors=meta)
         write_text(path / "ekfac.json", json.dumps(info, indent=2))
 
 
@@ -187,6 +194,7 @@ def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> E
         tensors = load_file(str(path / "factors.safetensors"), device=str(device))
     except (OSError, json.JSONDecodeError) as err:
         raise FileNotFoundError(f"{path}: not an EK-FAC directory ({err}).") from err
+    check_version(info, f"EK-FAC factors {path / 'ekfac.json'}")
     out = EKFAC(projection_dim=info["projection_dim"], seed=info["seed"], settings=info["settings"])
     for name, meta in info["factors"].items():
         get = {k.split("::", 1)[1]: v for k, v in tensors.items() if k.split("::", 1)[0] == name}
@@ -326,26 +334,21 @@ def check_damping(damping: float, scope: str) -> None:
 def fit_ekfac(
     model: nn.Module,
     examples: list[Example],
+    settings: EkfacSettings | None = None,
     *,
-    track_moe_experts: bool = True,
-    filter_modules: str | None = None,
-    projection_dim: int | None = DEFAULT_PROJECTION_DIM,
-    seed: int = 0,
-    projection: str = PROJECTION,
-    damping: float = DEFAULT_DAMPING,
-    damping_scope: str = DEFAULT_DAMPING_SCOPE,
-    sampled_labels: bool = DEFAULT_SAMPLED_LABELS,
-    fold_bias: bool = DEFAULT_FOLD_BIAS,
-    token_batch_size: int = 8192,
+    collect: CollectSettings | None = None,
     pad_id: int = 0,
-    max_memory_gib: float | None = None,
-    factor_device: str | torch.device = "cpu",
     dist: Dist | None = None,
     out: str | Path | None = None,
     progress: bool = True,
-    recompute: bool = False,
+    **overrides: Any,
 ) -> EKFAC:
     """Fit EK-FAC factors on `examples`: covariances, float64 eigendecompositions, corrected eigenvalues.
+
+    How is `settings` (`moe_attrib.settings.EkfacSettings`) and, for the gradients, `collect` (the
+    `CollectSettings` fields that shape rows: projection, seed, modules, batching, recompute); any field
+    of either may be given as a keyword shortcut (`projection_dim=16`, `damping=0.1`). `factor_device`
+    None keeps the factors on the CPU. The fields are described below by name.
 
     `damping` is relative: `damping x mean(Lambda)` over `damping_scope` (see `EKFAC.with_damping`,
     which also re-damps fitted factors without refitting). `projection` is the projection kind
@@ -355,6 +358,11 @@ def fit_ekfac(
     Under torchrun the sums are all-reduced, so every rank ends with the same factors. `recompute`:
     decoder layers run again in the backward instead of keeping their activations (`moe_attrib.recompute`).
     """
+    ek, st = resolve("fit_ekfac", overrides, settings, collect, kinds=(EkfacSettings, CollectSettings))
+    track_moe_experts, filter_modules, token_batch_size = st.track_moe_experts, st.filter_modules, st.token_batch_size
+    projection_dim, seed, projection, recompute = st.projection_dim, st.seed, st.projection, st.recompute
+    damping, damping_scope, sampled_labels, fold_bias = ek.damping, ek.damping_scope, ek.sampled_labels, ek.fold_bias
+    max_memory_gib, factor_device = ek.max_memory_gib, ek.factor_device or "cpu"
     check_damping(damping, damping_scope)
     check_kind(projection)
     device = next(model.parameters()).device

@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ import torch
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.index import Index, load_index
 from moe_attrib.score import Scores
+from moe_attrib.settings import IndexSettings, ScoreSettings, resolve
 
 FORMAT = "moe-attrib all-scores"
 VERSION = 1
@@ -50,15 +52,15 @@ def matrix_info(
     balance: bool = False,
 ) -> dict:
     """What a `[queries, rows]` score matrix of `index` belongs to (written beside it as `<file>.json`)."""
-    settings = index.manifest["settings"]
+    settings = index.settings
     return {
         "format": FORMAT,
         "version": VERSION,
         "shape": [queries, int(index.gradients.shape[0])],
-        "data_fingerprint": settings["data_fingerprint"],
+        "data_fingerprint": settings.data_fingerprint,
         "queries_fingerprint": queries_fingerprint,
-        "model_fingerprint": settings.get("model_fingerprint"),
-        "attribute_tokens": bool(settings.get("attribute_tokens")),
+        "model_fingerprint": settings.model_fingerprint,
+        "attribute_tokens": bool(settings.collect.attribute_tokens),
         "unit_normalize": bool(unit_normalize),
         "modules": modules,
         "ekfac": bool(ekfac),
@@ -263,23 +265,16 @@ def plan_run(
 def score_run(
     run_dir: str | Path,
     queries: list,
+    settings: ScoreSettings | None = None,
     *,
     load_model: Callable[[Path], torch.nn.Module] | None = None,
     tokenizer=None,
-    top_k: int = 10,
     out: str | Path | None = None,
     ekfac: bool = True,
-    unit_normalize: bool | None = None,
-    modules: str | None = None,
-    damping: float | None = None,
-    damping_scope: str | None = None,
-    coupling_gamma: float | None = None,
-    coupling_rank: int | None = None,
-    coupling_sample: int | None = None,
-    output_balance: bool = True,
     pad_id: int = 0,
     device: str | torch.device | None = None,
     progress: bool = False,
+    **overrides: Any,
 ) -> RunScores:
     """Score `queries` (`Example`s) against every checkpoint of a training run and rank by the mean.
 
@@ -288,18 +283,19 @@ def score_run(
     default `AutoModelForCausalLM` in the index's dtype, checked against the index's fingerprint), its own
     EK-FAC factors (`ekfac=False`: none), the coupling and output-layer balance fitted from its own rows
     (`coupling_gamma=0` / `output_balance=False` turn them off). Every checkpoint is checked before any
-    scoring (`plan_run`). With `out` (a directory) each matrix is kept as `checkpoint-N.npy` with its
-    `.json` description, which `score --average_with` accepts; without it they are temporary."""
-    from moe_attrib.coupling import DEFAULT_GAMMA, DEFAULT_RANK, DEFAULT_SAMPLE, fit_coupling
+    scoring (`plan_run`). `settings` (`moe_attrib.settings.ScoreSettings`, or any of its fields as a keyword:
+    `top_k`, `unit_normalize`, `modules`, `damping`, `damping_scope`, `coupling_gamma`, `coupling_rank`,
+    `coupling_sample`, `output_balance`) as for one index. With `out` (a directory) each matrix is kept as
+    `checkpoint-N.npy` with its `.json` description, which `score --average_with` accepts; without it they
+    are temporary."""
+    from moe_attrib.coupling import fit_coupling
     from moe_attrib.data import fingerprint
     from moe_attrib.ekfac import load_ekfac
-    from moe_attrib.score import DEFAULT_UNIT_NORMALIZE, query_gradients, score_matrix
+    from moe_attrib.score import query_gradients, score_matrix
 
-    unit = DEFAULT_UNIT_NORMALIZE if unit_normalize is None else unit_normalize
-    gamma = DEFAULT_GAMMA if coupling_gamma is None else coupling_gamma
-    coupled = {"gamma": gamma, "rank": coupling_rank or DEFAULT_RANK, "sample": coupling_sample or DEFAULT_SAMPLE}
-    coupled = coupled if gamma else None
-    balanced = output_balance and modules is None
+    (st,) = resolve("score_run", overrides, settings, kinds=(ScoreSettings,))
+    unit, modules, top_k, damping, damping_scope = st.unit_normalize, st.modules, st.top_k, st.damping, st.damping_scope
+    coupled, balanced = st.coupling, st.balanced
     plan = plan_run(run_dir, fingerprint(queries), len(queries), ekfac=ekfac, unit_normalize=unit, modules=modules,
                     coupling=coupled, balance=balanced, tokenizer=tokenizer)  # fmt: skip
     if out is not None:
@@ -308,8 +304,8 @@ def score_run(
     with tempfile.TemporaryDirectory(prefix="moe-attrib-run-") as tmp:
         matrices, counts = [], None
         for ckpt in plan:
-            settings = ckpt.index.manifest["settings"]
-            model = (load_model(ckpt.path) if load_model else default_loader(ckpt.path, settings)).to(dev).eval()
+            made = ckpt.index.settings
+            model = (load_model(ckpt.path) if load_model else default_loader(ckpt.path, made)).to(dev).eval()
             q, counts = query_gradients(model, queries, ckpt.index, pad_id=pad_id, with_counts=True)
             del model
             factors = load_ekfac(ckpt.ekfac) if ckpt.ekfac is not None else None
@@ -331,8 +327,8 @@ def score_run(
     return RunScores(Scores(values, rows), [c.path for c in plan], kept, last.index, counts)
 
 
-def default_loader(checkpoint: Path, settings: dict) -> torch.nn.Module:
+def default_loader(checkpoint: Path, settings: IndexSettings) -> torch.nn.Module:
     """A checkpoint's weights as `from_pretrained` loads them, in the dtype its index was built in."""
     from moe_attrib.loading import load_model
 
-    return load_model(str(checkpoint), getattr(torch, settings["dtype"].removeprefix("torch.")))
+    return load_model(str(checkpoint), getattr(torch, settings.torch_dtype_name))

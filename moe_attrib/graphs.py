@@ -38,12 +38,10 @@ import torch
 
 from moe_attrib.collector import GradientCollector, PerExampleGradients
 
+
 # a capture costs about five steps (an eager one, a trial with host waits made errors, a warm-up, the
 # capture, the checked replay); a replay saves 20% of a step at 8k tokens, 60% at 1k (H100): a shape
 # with this many batches pays for its capture at any size
-AUTO_MIN_BATCHES = 32
-
-
 def graphed_shapes(batch_lengths: Iterable[Sequence[int]], min_batches: int) -> set[tuple[int, int]]:
     """The batch shapes `(rows, tokens)` worth a graph: unpadded batches (every member of one length)
     whose shape occurs in at least `min_batches` batches. `batch_lengths` holds each batch's member
@@ -109,7 +107,7 @@ class GraphedCollector:
         capture_after: int = 1,
         max_graphs: int = 4,
         fused_experts: bool = True,
-        per_token: bool = False,
+        attribute_tokens: bool = False,
         expert_blocks: str = "separate",
     ):
         if collector.capture is None:
@@ -124,7 +122,7 @@ class GraphedCollector:
         self.collector = collector
         self.capture_after = capture_after
         self.max_graphs = max_graphs
-        self.kwargs = dict(fused_experts=fused_experts, per_token=per_token, expert_blocks=expert_blocks)
+        self.kwargs = dict(fused_experts=fused_experts, attribute_tokens=attribute_tokens, expert_blocks=expert_blocks)
         self._graphs: dict[tuple, tuple] = {}
         self._seen: dict[tuple, int] = {}
         self.captured = 0  # graphs captured so far (for tests and benchmarks)

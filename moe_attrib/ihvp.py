@@ -41,6 +41,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,9 +56,9 @@ from moe_attrib.fingerprint import check_model
 from moe_attrib.index import Index, column_plan, flatten_rows
 from moe_attrib.precondition import ScoreError
 from moe_attrib.projection import Projections, projection_kind
-
-DEFAULT_ITERATIONS = 4
-DEFAULT_DAMPING = 1.0  # x the mean eigenvalue of G, as EK-FAC's (it ranked better than 0.1: docs/scoring.md)
+from moe_attrib.settings import DEFAULT_REFINE_DAMPING as DEFAULT_DAMPING  # noqa: F401 (re-exported)
+from moe_attrib.settings import DEFAULT_REFINE_ITERATIONS as DEFAULT_ITERATIONS  # noqa: F401 (re-exported)
+from moe_attrib.settings import RefineSettings, resolve
 
 Vectors = list[torch.Tensor]  # one tensor per tracked parameter, each `[Q, *parameter shape]`
 
@@ -333,10 +334,10 @@ def to_index_columns(index: Index, report: CoverageReport, entries: list[Entry],
     """Full-size vectors `[Q, *shape]` as index columns `[Q, dim]` float32: each side projected as the
     index projects a per-example gradient (`P_out^T W P_in` in the stored orientation, a bias `b P_out`;
     sides the projection keeps exact stay as they are), experts per expert, in the column plan."""
-    st = index.manifest["settings"]
-    p, kind = st["projection_dim"], projection_kind(st)
+    st = index.settings.collect
+    p, kind = st.projection_dim, projection_kind(index.manifest["settings"])
     device = vectors[0].device
-    proj = Projections(p, st["seed"], device, torch.float32, kind) if p else None
+    proj = Projections(p, st.seed, device, torch.float32, kind) if p else None
     grads = {}
     for e, v in zip(entries, vectors, strict=True):
         v = v.float()
@@ -358,7 +359,7 @@ def to_index_columns(index: Index, report: CoverageReport, entries: list[Entry],
                 v = v if left is None else left.transpose(-1, -2) @ v
                 v = v if right is None else v @ right
         grads[e.key] = v
-    return flatten_rows(grads, report, index.blocks, st["expert_blocks"]).cpu()
+    return flatten_rows(grads, report, index.blocks, st.expert_blocks).cpu()
 
 
 # -- the whole refinement --------------------------------------------------------------------------
@@ -384,34 +385,34 @@ def refine_queries(
     train: list[Example],
     queries: list[Example],
     index: Index,
+    settings: RefineSettings | None = None,
     *,
     ekfac: EKFAC | None = None,
-    iterations: int = DEFAULT_ITERATIONS,
-    damping: float = DEFAULT_DAMPING,
-    examples: int | None = None,
-    seed: int = 0,
     pad_id: int = 0,
-    token_batch_size: int = 4096,
-    query_batch: int = 16,
-    vector_batch: int = 8,
     dtype: torch.dtype = torch.float32,
     callback: Callable[[int, int, Vectors], None] | None = None,
     progress: bool = False,
+    **overrides: Any,
 ) -> RefinedQueries:
     """Query rows `P (G + damping m I)^-1 q` for `index` (module docstring): `q` each query's exact
     gradient, `G` the exact GGN over `train` (or `examples` of its rows drawn with `seed`), solved
     by `iterations` steps of CG preconditioned with unprojected `ekfac` factors, `m` the mean
     eigenvalue of G, `P` the index's projection. Queries are solved `query_batch` at a time (each
     batch shares the sweeps' forwards), `vector_batch` of them per vmapped backward; `dtype` is the
-    solver's vectors' (float64 for tests)."""
+    solver's vectors' (float64 for tests). The settings (`moe_attrib.settings.RefineSettings`: `iterations`,
+    `damping`, `examples`, `seed`, `token_batch_size`, `query_batch`, `vector_batch`) may also be given as
+    keyword shortcuts (`iterations=8`)."""
+    (rs,) = resolve("refine_queries", overrides, settings, kinds=(RefineSettings,))
+    iterations, damping, examples, seed = rs.iterations, rs.damping, rs.examples, rs.seed
+    token_batch_size, query_batch, vector_batch = rs.token_batch_size, rs.query_batch, rs.vector_batch
     if iterations < 0 or damping <= 0:
         raise RefineError(f"refinement needs iterations >= 0 and damping > 0, not {iterations} and {damping}.")
-    st = index.manifest["settings"]
-    check_model(st, model, what=f"index {index.path}")
-    if st.get("optimizer_state"):
+    recorded, st = index.manifest["settings"], index.settings.collect
+    check_model(recorded, model, what=f"index {index.path}")
+    if st.optimizer_state:
         raise RefineError(f"index {index.path} normalises rows by optimizer state; refinement supports plain rows.")
-    report = discover(model, track_moe_experts=st["track_moe_experts"], filter_modules=st["filter_modules"], warn=False)
-    blocks = column_plan(report, st["projection_dim"], st["expert_blocks"], projection_kind(st))
+    report = discover(model, track_moe_experts=st.track_moe_experts, filter_modules=st.filter_modules, warn=False)
+    blocks = column_plan(report, st.projection_dim, st.expert_blocks, projection_kind(recorded))
     if [(b.name, b.start, b.stop) for b in blocks] != [(b.name, b.start, b.stop) for b in index.blocks]:
         raise RefineError(f"the model's tracked modules do not match the index {index.path}; use its model.")
     entries = tracked_entries(model, report)

@@ -26,12 +26,16 @@ import numpy as np
 from moe_attrib.discovery import CoverageReport, iter_entries
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.projection import PROJECTION, side_width
+from moe_attrib.settings import (  # noqa: F401 (DEFAULT_PROJECTION_DIM: re-exported)
+    DEFAULT_INDEX_DTYPE,
+    DEFAULT_PROJECTION_DIM,
+    IndexSettings,
+    check_version,
+)
 
 FORMAT_VERSION = 1
 INDEX_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # stored numpy dtype
-DEFAULT_INDEX_DTYPE = "float32"
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
-DEFAULT_PROJECTION_DIM = 32  # per side: a p x p block per weight (docs/quality.md)
 INDEX_FILES = (
     "manifest.json",
     "manifest.tmp",
@@ -135,15 +139,17 @@ def column_plan(
     return blocks
 
 
-def flatten_rows(grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, per_token: bool = False):
+def flatten_rows(
+    grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, attribute_tokens: bool = False
+):
     """`flatten_batch` on the result's device: float32 `torch.Tensor` rows from one `torch.cat`, no host sync."""
     import torch
 
-    lead = 2 if per_token else 1
+    lead = 2 if attribute_tokens else 1
     parts = []
     for grads_key, lay, _proj, _key, _shape in _entries(report):
         value = grads[grads_key]  # experts: [N, (S,) E, ...]
-        if lay is not None and expert_blocks == "sum" and not per_token:
+        if lay is not None and expert_blocks == "sum" and not attribute_tokens:
             value = value.sum(dim=1)
         parts.append(value.float().reshape(*value.shape[:lead], -1))
     rows = torch.cat(parts, dim=-1)
@@ -153,11 +159,11 @@ def flatten_rows(grads: dict, report: CoverageReport, blocks: list[Block], exper
 
 
 def flatten_batch(
-    grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, per_token: bool = False
+    grads: dict, report: CoverageReport, blocks: list[Block], expert_blocks: str, attribute_tokens: bool = False
 ) -> np.ndarray:
     """Rows in plan order from a `collect(..., fused_experts=True)` result: `[N, dim]`, or
-    `[N, S, dim]` for a `per_token=True` result (whose experts are already summed for "sum")."""
-    return flatten_rows(grads, report, blocks, expert_blocks, per_token).cpu().numpy()
+    `[N, S, dim]` for an `attribute_tokens=True` result (whose experts are already summed for "sum")."""
+    return flatten_rows(grads, report, blocks, expert_blocks, attribute_tokens).cpu().numpy()
 
 
 def part_dir(path: str | Path) -> Path:
@@ -452,10 +458,15 @@ class Index:
         return [Block(b["name"], b["start"], b["stop"], tuple(b["shape"])) for b in self.manifest["blocks"]]
 
     @property
+    def settings(self) -> IndexSettings:
+        """The manifest's settings, typed (`moe_attrib.settings.IndexSettings`)."""
+        return IndexSettings.from_dict(self.manifest["settings"])
+
+    @property
     def dtype(self) -> str:
         """How rows are stored: "float32" (also an index from before the setting), "float16" or
         "bfloat16" (`gradients` then holds its uint16 bits)."""
-        return self.manifest["settings"].get("index_dtype", DEFAULT_INDEX_DTYPE)
+        return self.settings.collect.index_dtype
 
     def read_rows(self, rows) -> np.ndarray:
         """Rows `gradients[rows]` (any numpy index) as float32, whatever the storage dtype."""
@@ -476,6 +487,7 @@ def load_index(path: str | Path) -> Index:
         raise IndexFileError(f"{manifest_path}: missing or unreadable manifest ({err}).") from err
     if not manifest.get("complete"):
         raise IndexFileError(f"{path}: the manifest does not mark the build complete.")
+    check_version(manifest, f"index {path}")
     try:
         gradients = np.load(path / "gradients.npy", mmap_mode="r")
         losses = np.load(path / "losses.npy", mmap_mode="r")

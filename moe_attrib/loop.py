@@ -102,7 +102,7 @@ class CollectionLoop:
         each real step's result to `consume(step, grads)`; `grads` is dropped before the next step.
 
         `graph_min_batches` > 0 replays the unpadded shapes of at least that many real steps from CUDA
-        graphs (`collect_kwargs` are then `GraphedCollector`'s: fused_experts, per_token, expert_blocks); as
+        graphs (`collect_kwargs` are then `GraphedCollector`'s: fused_experts, attribute_tokens, expert_blocks); as
         batches come longest first, a shape left behind does not come back, so two graphs are kept.
         `reseed`: `torch.manual_seed(reseed * 1_000_003 + step.number)` before each step."""
         dist, examples, pad_id = self.dist, self.examples, self.pad_id
@@ -150,7 +150,7 @@ class CollectionLoop:
 class FlattensRows(Protocol):
     """A column plan that forms its own rows (`eigenbasis.EigenPlan`)."""
 
-    def flatten(self, grads: dict, per_token: bool = False) -> torch.Tensor: ...
+    def flatten(self, grads: dict, attribute_tokens: bool = False) -> torch.Tensor: ...
 
 
 def rows_of(
@@ -158,11 +158,11 @@ def rows_of(
     report: CoverageReport,
     blocks: list[Block],
     expert_blocks: str,
-    per_token: bool,
+    attribute_tokens: bool,
     plan: FlattensRows | None,
 ) -> torch.Tensor:
     """A batch's float32 rows in an index's column layout, on the batch's device: the seeded projections'
     blocks (`index.flatten_rows`), or an eigenbasis plan's (`EigenPlan.flatten`)."""
     if plan is not None:
-        return plan.flatten(grads, per_token=per_token)
-    return flatten_rows(grads, report, blocks, expert_blocks, per_token=per_token)
+        return plan.flatten(grads, attribute_tokens=attribute_tokens)
+    return flatten_rows(grads, report, blocks, expert_blocks, attribute_tokens=attribute_tokens)

@@ -34,9 +34,9 @@ from collections import OrderedDict
 
 import torch
 
-PROJECTION = "rademacher-hash-v2"  # what new indexes and EK-FAC factors use (recorded in their settings)
+from moe_attrib.settings import LEGACY_PROJECTION, PROJECTION
+
 PROJECTION_V1 = "rademacher-hash-v1"  # every side projected to p, narrow ones too
-LEGACY_PROJECTION = "gaussian-cpu-v0"  # settings without a "projection" key
 PROJECTION_KINDS = (PROJECTION, PROJECTION_V1, LEGACY_PROJECTION)
 _KEEPS_NARROW = (PROJECTION,)  # kinds that keep a side of width <= p exact
 DEFAULT_CACHE_BYTES = 2 * 2**30

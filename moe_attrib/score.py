@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,11 +33,9 @@ from moe_attrib.index import Block, Index, column_plan
 from moe_attrib.loop import CollectionLoop, Step, rows_of
 from moe_attrib.precondition import EXPERT_BLOCK, ScoreError, module_blocks, module_columns, precondition_queries
 from moe_attrib.projection import projection_kind
-from moe_attrib.stream import DEFAULT_BLOCK_BYTES, DEFAULT_READER, ToHost, stream_rows
+from moe_attrib.settings import DEFAULT_BALANCE, DEFAULT_COUPLING, DEFAULT_UNIT_NORMALIZE, ScoreSettings, resolve
+from moe_attrib.stream import DEFAULT_READER, ToHost, stream_rows
 
-DEFAULT_UNIT_NORMALIZE = True  # cosine after preconditioning (docs/quality.md)
-DEFAULT_COUPLING = "auto"  # fit the cross-module coupling with its defaults (docs/quality.md)
-DEFAULT_BALANCE = "auto"  # balance the output layer's vote against the whole model's (docs/quality.md)
 __all__ = [
     "Balance",
     "Coupling",
@@ -165,20 +164,14 @@ def _device(device: str | torch.device | None) -> torch.device:
 def score(
     index: Index,
     queries: torch.Tensor | np.ndarray | RefinedQueries,
+    settings: ScoreSettings | None = None,
     *,
     ekfac: EKFAC | None = None,
-    unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
-    top_k: int = 10,
-    per_module: bool = False,
-    modules: str | None = None,
     coupling: Coupling | str | None = DEFAULT_COUPLING,
     balance: Balance | str | None = DEFAULT_BALANCE,
-    block_rows: int | None = None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
     device: str | torch.device | None = None,
     progress: bool = False,
-    threads: int | None = None,
-    reader: str = DEFAULT_READER,
+    **overrides: Any,
 ) -> Scores:
     """Top-k training rows for each query row (`[Q, dim]`, in the index's column layout).
 
@@ -189,7 +182,15 @@ def score(
     from `fit_coupling` to reuse one; None: off) adds the cross-module correction, `balance`
     ("auto", a `Balance` from `fit_balance`, None) the output-layer balance. `queries` may be
     `RefinedQueries` (`moe_attrib.ihvp.refine_queries`), scored as they are (`ekfac=None`).
+
+    `settings` (`moe_attrib.settings.ScoreSettings`) gives `unit_normalize`, `modules`, `top_k`,
+    `per_module` and the streaming (`block_bytes`, `block_rows`, `threads`, `reader`); each may also be
+    given as a keyword shortcut (`top_k=5`). Its coupling fields are `score_queries`' (this function
+    takes a fitted `coupling`).
     """
+    (st,) = resolve("score", overrides, settings, kinds=(ScoreSettings,))
+    unit_normalize, modules, top_k, per_module = st.unit_normalize, st.modules, st.top_k, st.per_module
+    block_bytes, block_rows, threads, reader = st.block_bytes, st.block_rows, st.threads, st.reader
     device = _device(device)
     q = prepare_queries(
         index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, balance=balance,
@@ -248,19 +249,15 @@ def hit_parts(
 def score_matrix(
     index: Index,
     queries: torch.Tensor | np.ndarray | RefinedQueries,
+    settings: ScoreSettings | None = None,
     *,
     ekfac: EKFAC | None = None,
-    unit_normalize: bool = DEFAULT_UNIT_NORMALIZE,
-    modules: str | None = None,
     coupling: Coupling | str | None = DEFAULT_COUPLING,
     balance: Balance | str | None = DEFAULT_BALANCE,
     out: str | Path | None = None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
     device: str | torch.device | None = None,
     progress: bool = False,
-    block_rows: int | None = None,
-    threads: int | None = None,
-    reader: str = DEFAULT_READER,
+    **overrides: Any,
 ) -> np.ndarray:
     """Every score: `[Q, rows]` float32, streamed over the index in blocks of `block_bytes` stored
     bytes (or `block_rows` rows), as `score` streams it.
@@ -268,7 +265,11 @@ def score_matrix(
     With `out` (a `.npy` path) the matrix is written to a memory-mapped file as it is computed
     and returned memory-mapped, so neither the index nor the scores need to fit in memory. On
     CUDA each block's scores come back through a pinned buffer while the next block is scored.
+    `settings` and keyword shortcuts as for `score` (`top_k` and `per_module` do not apply).
     """
+    (st,) = resolve("score_matrix", overrides, settings, kinds=(ScoreSettings,))
+    unit_normalize, modules = st.unit_normalize, st.modules
+    block_bytes, block_rows, threads, reader = st.block_bytes, st.block_rows, st.threads, st.reader
     device = _device(device)
     q = prepare_queries(
         index, queries, ekfac=ekfac, unit_normalize=unit_normalize, modules=modules, coupling=coupling, balance=balance,
@@ -321,15 +322,15 @@ def query_gradients(
     tokens each query routes to each expert, `[Q, layers, E]` in the index's `expert_layers` order
     (what `index.expert_counts` holds for training rows; None for an index without expert layers),
     from the same pass."""
-    st = index.manifest["settings"]
-    check_model(st, model, what=f"index {index.path}")
-    report = discover(model, track_moe_experts=st["track_moe_experts"], filter_modules=st["filter_modules"], warn=False)
-    kind = projection_kind(st)
-    plan = index_plan(index.path, st, report)  # None: seeded projections
-    blocks = plan.blocks if plan else column_plan(report, st["projection_dim"], st["expert_blocks"], kind)
+    recorded, st = index.manifest["settings"], index.settings.collect  # raw: for the checks that take either kind
+    check_model(recorded, model, what=f"index {index.path}")
+    report = discover(model, track_moe_experts=st.track_moe_experts, filter_modules=st.filter_modules, warn=False)
+    kind = projection_kind(recorded)
+    plan = index_plan(index.path, recorded, report)  # None: seeded projections
+    blocks = plan.blocks if plan else column_plan(report, st.projection_dim, st.expert_blocks, kind)
     if [(b.name, b.start, b.stop) for b in blocks] != [(b.name, b.start, b.stop) for b in index.blocks]:
         raise ScoreError(
-            f"the model's tracked modules do not match the index {index.path} (built from {st.get('model')!r}); "
+            f"the model's tracked modules do not match the index {index.path} (built from {index.settings.model!r}); "
             "score with the model the index was built from."
         )
     device = next(model.parameters()).device
@@ -339,11 +340,11 @@ def query_gradients(
     if plan is not None:
         collector = GradientCollector(model, report, projector=plan.projector)
     else:
-        collector = make_collector(model, report, st["projection_dim"], st["seed"], st.get("optimizer_state"), kind)
+        collector = make_collector(model, report, st.projection_dim, st.seed, st.optimizer_state, kind)
 
     def keep(step: Step, grads) -> None:
         positions = step.positions
-        out[positions] = rows_of(grads, report, blocks, st["expert_blocks"], False, plan).cpu()
+        out[positions] = rows_of(grads, report, blocks, st.expert_blocks, False, plan).cpu()
         if counts is not None:
             got = grads.expert_counts.float().cpu().numpy()
             for j, name in enumerate(grads.expert_layers):

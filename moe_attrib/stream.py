@@ -22,10 +22,8 @@ import torch
 from tqdm.auto import tqdm
 
 from moe_attrib.index import Index, IndexFileError
+from moe_attrib.settings import DEFAULT_BLOCK_BYTES, DEFAULT_READER, READERS
 
-DEFAULT_BLOCK_BYTES = 256 << 20  # stored bytes per block (H200: 32.1 GB/s vs 27.6 at 64 MiB, docs/scoring.md)
-READERS = ("copy", "pread")  # np.copyto from the memmap / os.preadv from the file (docs/scoring.md)
-DEFAULT_READER = "copy"
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _BUFFERS = 2
 

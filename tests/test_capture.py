@@ -336,7 +336,7 @@ def test_grouped_linear_token_rows_sum_to_its_example_gradient(padded_batch, pro
         warnings.simplefilter("ignore", UserWarning)  # compressor modules off the loss path
         with ma.GradientCollector(model, projection_dim=projection_dim) as collector:
             examples = collector.collect(ids, mask, fused_experts=True)
-            tokens = collector.collect(ids, mask, per_token=True)
+            tokens = collector.collect(ids, mask, attribute_tokens=True)
         if projection_dim is None:
             exact = ma.per_example_gradients(model, ids, mask)
             _assert_matches_reference(exact, model, ids, mask, ma.discover(model), [key])

@@ -57,7 +57,7 @@ def test_projected_and_per_token_rows_equal_the_eager_heads(padded_batch):
     ids, mask = padded_batch
     model = tiny_model("qwen3_moe")
     report = ma.discover(model, track_moe_experts=True, warn=False)
-    for kwargs in ({"fused_experts": True}, {"per_token": True}):
+    for kwargs in ({"fused_experts": True}, {"attribute_tokens": True}):
         got = {}
         for fused in (False, True):
             with GradientCollector(model, report, projection_dim=8, fused_head=fused) as c:

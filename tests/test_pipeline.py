@@ -31,7 +31,7 @@ def build(model, ex, path, **kw):
     return ma.build_index(model, ex, path, **kw)
 
 
-def plain_loop(model, ex, per_token=False, expert_blocks="separate", token_batch_size=24):
+def plain_loop(model, ex, attribute_tokens=False, expert_blocks="separate", token_batch_size=24):
     """Rows of every example computed batch by batch with no thread, no asynchronous copy."""
     report = ma.discover(model)
     blocks = column_plan(report, 8, expert_blocks)
@@ -40,22 +40,22 @@ def plain_loop(model, ex, per_token=False, expert_blocks="separate", token_batch
         for positions in token_batches(ex, token_batch_size):
             ids, mask = collate(ex, positions, 0)
             out = collector.collect(ids, mask, labels_for(ex, positions, ids, mask), fused_experts=True,
-                                    per_token=per_token, expert_blocks=expert_blocks)  # fmt: skip
-            grads = flatten_batch(out, report, blocks, expert_blocks, per_token)
+                                    attribute_tokens=attribute_tokens, expert_blocks=expert_blocks)  # fmt: skip
+            grads = flatten_batch(out, report, blocks, expert_blocks, attribute_tokens)
             for n, i in enumerate(positions):
-                rows[i] = grads[n, : len(ex[i].input_ids)] if per_token else grads[n]
+                rows[i] = grads[n, : len(ex[i].input_ids)] if attribute_tokens else grads[n]
                 losses[i] = out.losses[n].item()
     return np.concatenate([rows[i].reshape(-1, blocks[-1].stop) for i in range(len(ex))]), np.array(
         [losses[i] for i in range(len(ex))], np.float32
     )
 
 
-@pytest.mark.parametrize("per_token,blocks", [(False, "separate"), (False, "sum"), (True, "separate")])
-def test_pipeline_build_equals_a_plain_loop_byte_for_byte(model, tmp_path, per_token, blocks):
+@pytest.mark.parametrize("attribute_tokens,blocks", [(False, "separate"), (False, "sum"), (True, "separate")])
+def test_pipeline_build_equals_a_plain_loop_byte_for_byte(model, tmp_path, attribute_tokens, blocks):
     ex = examples()
-    idx = load_index(build(model, ex, tmp_path / "i", attribute_tokens=per_token, expert_blocks=blocks))
+    idx = load_index(build(model, ex, tmp_path / "i", attribute_tokens=attribute_tokens, expert_blocks=blocks))
     assert idx.manifest["num_batches"] > 3
-    rows, losses = plain_loop(model, ex, per_token, blocks)
+    rows, losses = plain_loop(model, ex, attribute_tokens, blocks)
     assert np.array_equal(np.asarray(idx.gradients), rows)
     assert np.array_equal(np.asarray(idx.losses), losses)
 

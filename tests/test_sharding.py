@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_attrib import cli
+from moe_attrib import attribution, cli
 from moe_attrib.ekfac import load_ekfac
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.index import load_index
@@ -226,7 +226,7 @@ def test_build_refuses_a_model_larger_than_the_device_before_any_work(tmp_path, 
     assert loading.checkpoint_numel(str(sharded)) == params
     monkeypatch.setattr(loading, "device_free_bytes", lambda device: params * 4 // 2)  # half the fp32 weights
     loaded = []
-    monkeypatch.setattr(cli, "load_inputs", lambda *a: loaded.append(1))
+    monkeypatch.setattr(attribution, "load_inputs", lambda *a: loaded.append(1))
     code = cli.main(["build", str(model_dir), str(CORPUS), "--index", str(tmp_path / "idx"), "--precision", "fp32"])
     err = capsys.readouterr().err
     assert code == 2 and "torchrun --nproc_per_node 3 -m moe_attrib build" in err, err
