@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import moe_attrib as ma
-from moe_attrib.collector import GradientCollector, example_losses
+from moe_attrib.collect.collector import GradientCollector, example_losses
 
 SHAPES = {
     "qwen3-30b-a3b-shaped": (

@@ -43,9 +43,9 @@ from collect_speed import SHAPES, timed  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.collector import GradientCollector, example_losses  # noqa: E402
+from moe_attrib.collect.collector import GradientCollector, example_losses  # noqa: E402
+from moe_attrib.collect.graphs import GraphedCollector  # noqa: E402
 from moe_attrib.data import Example  # noqa: E402
-from moe_attrib.graphs import GraphedCollector  # noqa: E402
 
 GiB = 1 << 30
 
@@ -510,7 +510,7 @@ def phases_part(layers: int, p: int, steps: int, profile: bool = False) -> dict:
     """Where a build's time goes on the full-depth model: the fixed costs of one `build_index` call
     and, per 8192-token batch, the collection step with and without the host copy, vs a plain step."""
     from moe_attrib.fingerprint import model_fingerprint
-    from moe_attrib.index import column_plan, flatten_batch
+    from moe_attrib.indexing.index import column_plan, flatten_batch
 
     model = make_model("qwen3-30b-a3b-shaped", num_hidden_layers=layers)
     ids = token_ids(model, 16, 512, seed=2).cuda()

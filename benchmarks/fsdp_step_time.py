@@ -10,7 +10,7 @@ under torchrun:
     torchrun --nproc_per_node 1 benchmarks/fsdp_step_time.py --shape qwen3-30b --profile 25 --out X.json
     torchrun --nproc_per_node 1 benchmarks/fsdp_step_time.py --small --device cpu --dtype fp32  # CPU smoke run
 
-`--keep_gathered N` / `--no_prefetch` set `moe_attrib.sharding.shard_model`'s options (docs/distributed.md).
+`--keep_gathered N` / `--no_prefetch` set `moe_attrib.model.sharding.shard_model`'s options (docs/distributed.md).
 
 Prints and writes {"step_ratio": fsdp / plain, "row_rel_err": {...}, ...}; tests/test_gpu.py runs it.
 """
@@ -29,15 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_attrib.build import build_index
-from moe_attrib.collector import make_collector
+from moe_attrib.collect.collector import make_collector
 from moe_attrib.data import Example
-from moe_attrib.discovery import discover
-from moe_attrib.distributed import Dist, setup, teardown
-from moe_attrib.index import load_index
-from moe_attrib.loading import load_model
-from moe_attrib.sharding import load_sharded
-from moe_attrib.zoo import tiny_model
+from moe_attrib.indexing.build import build_index
+from moe_attrib.indexing.index import load_index
+from moe_attrib.model.discovery import discover
+from moe_attrib.model.distributed import Dist, setup, teardown
+from moe_attrib.model.sharding import load_sharded
+from moe_attrib.model.zoo import tiny_model
+from moe_attrib.workflows.loading import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from collect_speed import SHAPES as COLLECT_SHAPES  # noqa: E402

@@ -44,11 +44,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 import moe_attrib as ma
-from moe_attrib.collector import GradientCollector, example_losses
-from moe_attrib.index import column_plan, flatten_rows
-from moe_attrib.layouts import Kernels
-from moe_attrib.layouts.kernels import tiled_segment_mm
-from moe_attrib.zoo import tiny_config
+from moe_attrib.collect.collector import GradientCollector, example_losses
+from moe_attrib.indexing.index import column_plan, flatten_rows
+from moe_attrib.model.layouts import Kernels
+from moe_attrib.model.layouts.kernels import tiled_segment_mm
+from moe_attrib.model.zoo import tiny_config
 
 PACKAGE = str(Path(ma.__file__).parent)
 THIS = str(Path(__file__).resolve())

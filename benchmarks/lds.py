@@ -37,14 +37,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # python_docs, when imported from elsewhere
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.collector import example_losses  # noqa: E402
+from moe_attrib.collect.collector import example_losses  # noqa: E402
+from moe_attrib.collect.projection import PROJECTION, PROJECTION_V1  # noqa: E402
+from moe_attrib.curvature.ekfac import DAMPING_SCOPES, DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE  # noqa: E402
 from moe_attrib.data import collate, labels_for, load_examples  # noqa: E402
-from moe_attrib.ekfac import DAMPING_SCOPES, DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE  # noqa: E402
-from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
-from moe_attrib.projection import PROJECTION, PROJECTION_V1  # noqa: E402
-from moe_attrib.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
+from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
+from moe_attrib.model.zoo import tiny_model, train_tokenizer  # noqa: E402
+from moe_attrib.scoring.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
 from moe_attrib.synthetic import multi_domain_corpus, texts  # noqa: E402
-from moe_attrib.zoo import tiny_model, train_tokenizer  # noqa: E402
 
 
 @dataclass(frozen=True)

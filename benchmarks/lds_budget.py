@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.discovery import iter_entries  # noqa: E402
-from moe_attrib.eigenbasis import parse_bytes  # noqa: E402
-from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
+from moe_attrib.curvature.eigenbasis import parse_bytes  # noqa: E402
+from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
+from moe_attrib.model.discovery import iter_entries  # noqa: E402
 
 PS = (8, 16, 32, 64, 128)
 FRACTIONS = (1 / 64, 1 / 16, 1 / 4)  # eigenbasis budgets, as fractions of the default index's bytes

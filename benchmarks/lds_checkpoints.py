@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
+from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 
 
 def checkpoint_scores(model, examples, queries, lm_head: str, root: Path) -> dict[str, np.ndarray]:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.collector import GradientCollector  # noqa: E402
+from moe_attrib.collect.collector import GradientCollector  # noqa: E402
 
 GAMMAS = (10.0, 30.0, 100.0, 300.0, 1000.0)
 SAMPLES = ((64, 0), (64, 1), (128, 0), (128, 1))  # (rows, seed) at gamma 30

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
-from moe_attrib.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
+from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
+from moe_attrib.scoring.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
 
 # (label, multiplier, scope): `multiplier x mean(Lambda)` over the scope; the first is the library default
 RULES = [

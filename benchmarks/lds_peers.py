@@ -30,7 +30,7 @@ from lds_damping import mean_over  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
 from moe_attrib.data import collate, labels_for  # noqa: E402
-from moe_attrib.index import DEFAULT_PROJECTION_DIM  # noqa: E402
+from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 
 DEFAULT = "moe-attrib default"
 KRONFLUENCE = "Kronfluence 1.0.1 EK-FAC, its defaults"

@@ -1,4 +1,4 @@
-"""LDS of the refined inverse-Hessian-vector product (`moe_attrib.ihvp`) on the cached LDS configurations.
+"""LDS of the refined inverse-Hessian-vector product (`moe_attrib.curvature.ihvp`) on the cached LDS configurations.
 
 For each configuration it scores, side by side on the same queries and retrained subsets:
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib import ihvp  # noqa: E402
+from moe_attrib.curvature import ihvp  # noqa: E402
 
 
 def cosine(q: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.trainer import trainer_rows  # noqa: E402
+from moe_attrib.workflows.trainer import trainer_rows  # noqa: E402
 
 
 def trainer_run(cfg: lds.Config, cached: lds.Cached, out: Path, epochs: list[int]) -> list[int]:

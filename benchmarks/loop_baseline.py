@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_attrib.projection import Projections
+from moe_attrib.collect.projection import Projections
 
 
 class LoopCollector:

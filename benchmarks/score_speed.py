@@ -4,7 +4,7 @@ Writes a synthetic index of `--gb` gigabytes (random float32 rows of `--dim` col
 manifest, written through `IndexWriter`; plus the same rows as a bfloat16 index), reads both once
 so they are in the page cache, then times in interleaved rounds (median of `--rounds`):
 
-- `score`: `moe_attrib.score`, `--queries` queries, top-k `--top_k` (reader "copy", and "pread");
+- `score`: `moe_attrib.scoring.score`, `--queries` queries, top-k `--top_k` (reader "copy", and "pread");
 - `score bf16`: the same over the bfloat16 index (half the bytes);
 - `page-cache baseline`: the issue's reference loop, hand-written: each block of the float32
   index copied from the page cache (the memmap) into one of two pinned buffers with torch's own
@@ -46,8 +46,8 @@ import numpy as np
 import torch
 
 import moe_attrib as ma
-from moe_attrib.index import IndexWriter, load_index
-from moe_attrib.stream import DEFAULT_BLOCK_BYTES, default_threads
+from moe_attrib.indexing.index import IndexWriter, load_index
+from moe_attrib.indexing.stream import DEFAULT_BLOCK_BYTES, default_threads
 
 OLD_BLOCK_BYTES = 1 << 30
 
@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--budget", default=None, help="columns of an eigenbasis index of this budget (e.g. 256KiB)")
     args = parser.parse_args()
     if args.budget:
-        from moe_attrib.eigenbasis import budget_columns, parse_bytes
+        from moe_attrib.curvature.eigenbasis import budget_columns, parse_bytes
 
         args.dim = budget_columns(parse_bytes(args.budget), "float32")
 

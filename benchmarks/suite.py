@@ -31,7 +31,7 @@ from loop_baseline import LoopCollector  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.collector import GradientCollector, example_losses  # noqa: E402
+from moe_attrib.collect.collector import GradientCollector, example_losses  # noqa: E402
 from moe_attrib.data import Example  # noqa: E402
 
 

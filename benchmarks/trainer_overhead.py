@@ -29,9 +29,9 @@ import lds  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
 from moe_attrib.data import load_examples  # noqa: E402
+from moe_attrib.model.zoo import train_tokenizer  # noqa: E402
 from moe_attrib.synthetic import multi_domain_corpus, texts  # noqa: E402
-from moe_attrib.trainer import trainer_rows  # noqa: E402
-from moe_attrib.zoo import train_tokenizer  # noqa: E402
+from moe_attrib.workflows.trainer import trainer_rows  # noqa: E402
 
 
 def data(cfg: lds.Config, root: Path):

@@ -1,6 +1,6 @@
 """Regenerate the coverage table of docs/supported-models.md: `python docs/gen_supported_models.py`.
 
-Tiny models come from `moe_attrib.zoo`; "default config" models are built on the meta device
+Tiny models come from `moe_attrib.model.zoo`; "default config" models are built on the meta device
 from each family's default transformers config (real-model sizes, no weights allocated).
 """
 
@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import moe_attrib as ma
-from moe_attrib.zoo import FAMILIES, tiny_model
+from moe_attrib.model.zoo import FAMILIES, tiny_model
 
 warnings.simplefilter("ignore")
 

@@ -9,26 +9,23 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import types
 from typing import TYPE_CHECKING
 
 from moe_attrib.version import __version__
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
-    from moe_attrib.balance import Balance, fit_balance
-    from moe_attrib.build import build_index
-    from moe_attrib.collector import GradientCollector, PerExampleGradients, per_example_gradients
-    from moe_attrib.coupling import Coupling, fit_coupling
+    from moe_attrib.collect.collector import GradientCollector, PerExampleGradients, per_example_gradients
+    from moe_attrib.collect.graphs import GraphedCollector
+    from moe_attrib.curvature.ekfac import EKFAC, fit_ekfac, load_ekfac
+    from moe_attrib.curvature.ihvp import RefinedQueries, RefineError, refine_queries
     from moe_attrib.data import DataError, Example, load_examples
-    from moe_attrib.discovery import CoverageReport, discover
-    from moe_attrib.ekfac import EKFAC, fit_ekfac, load_ekfac
-    from moe_attrib.ensemble import EnsembleError, RunScores, score_run
-    from moe_attrib.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
-    from moe_attrib.graphs import GraphedCollector
-    from moe_attrib.ihvp import RefinedQueries, RefineError, refine_queries
-    from moe_attrib.index import Index, IndexFileError, load_index
-    from moe_attrib.score import (
+    from moe_attrib.indexing.build import build_index
+    from moe_attrib.indexing.index import Index, IndexFileError, load_index
+    from moe_attrib.model.discovery import CoverageReport, discover
+    from moe_attrib.model.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
+    from moe_attrib.scoring.balance import Balance, fit_balance
+    from moe_attrib.scoring.coupling import Coupling, fit_coupling
+    from moe_attrib.scoring.score import (
         ScoreError,
         Scores,
         precondition_queries,
@@ -37,9 +34,38 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         score,
         score_matrix,
     )
-    from moe_attrib.trainer import AttributionCallback, AttributionCheckpointer
+    from moe_attrib.settings import (
+        CollectSettings,
+        DataSettings,
+        EkfacSettings,
+        IndexSettings,
+        RefineSettings,
+        ScoreSettings,
+        SettingsVersionError,
+    )
+    from moe_attrib.workflows.attribution import (
+        QueryReading,
+        ScoredQueries,
+        build_from_files,
+        fit_from_files,
+        score_queries,
+    )
+    from moe_attrib.workflows.ensemble import EnsembleError, RunScores, score_run
+    from moe_attrib.workflows.trainer import AttributionCallback, AttributionCheckpointer
 
 __all__ = [
+    "CollectSettings",
+    "DataSettings",
+    "EkfacSettings",
+    "IndexSettings",
+    "RefineSettings",
+    "ScoreSettings",
+    "SettingsVersionError",
+    "QueryReading",
+    "ScoredQueries",
+    "build_from_files",
+    "fit_from_files",
+    "score_queries",
     "AttributionCallback",
     "AttributionCheckpointer",
     "EnsembleError",
@@ -84,27 +110,33 @@ __all__ = [
 ]
 
 _MODULES = {  # module: the public names it gives
-    "moe_attrib.balance": "Balance fit_balance",
-    "moe_attrib.build": "build_index",
-    "moe_attrib.collector": "GradientCollector PerExampleGradients per_example_gradients",
-    "moe_attrib.coupling": "Coupling fit_coupling",
+    "moe_attrib.scoring.balance": "Balance fit_balance",
+    "moe_attrib.indexing.build": "build_index",
+    "moe_attrib.collect.collector": "GradientCollector PerExampleGradients per_example_gradients",
+    "moe_attrib.scoring.coupling": "Coupling fit_coupling",
     "moe_attrib.data": "DataError Example load_examples",
-    "moe_attrib.discovery": "CoverageReport discover",
-    "moe_attrib.ekfac": "EKFAC fit_ekfac load_ekfac",
-    "moe_attrib.ensemble": "EnsembleError RunScores score_run",
-    "moe_attrib.experts": "ExpertLinear LayoutError expand_moe restore_moe track_moe_experts",
-    "moe_attrib.graphs": "GraphedCollector",
-    "moe_attrib.ihvp": "RefinedQueries RefineError refine_queries",
-    "moe_attrib.index": "Index IndexFileError load_index",
-    "moe_attrib.score": "ScoreError Scores precondition_queries prepare_queries query_gradients score score_matrix",
-    "moe_attrib.trainer": "AttributionCallback AttributionCheckpointer",
+    "moe_attrib.model.discovery": "CoverageReport discover",
+    "moe_attrib.curvature.ekfac": "EKFAC fit_ekfac load_ekfac",
+    "moe_attrib.workflows.ensemble": "EnsembleError RunScores score_run",
+    "moe_attrib.model.experts": "ExpertLinear LayoutError expand_moe restore_moe track_moe_experts",
+    "moe_attrib.collect.graphs": "GraphedCollector",
+    "moe_attrib.curvature.ihvp": "RefinedQueries RefineError refine_queries",
+    "moe_attrib.indexing.index": "Index IndexFileError load_index",
+    "moe_attrib.scoring.score": (
+        "ScoreError Scores precondition_queries prepare_queries query_gradients score score_matrix"
+    ),
+    "moe_attrib.workflows.trainer": "AttributionCallback AttributionCheckpointer",
+    "moe_attrib.settings": (
+        "CollectSettings DataSettings EkfacSettings IndexSettings RefineSettings ScoreSettings SettingsVersionError"
+    ),
+    "moe_attrib.workflows.attribution": "QueryReading ScoredQueries build_from_files fit_from_files score_queries",
 }
 _HOME = {name: module for module, names in _MODULES.items() for name in names.split()}
 
 
 def __getattr__(name: str) -> object:
-    """A public name, imported from its module on first use; else a submodule (`moe_attrib.index`), as when
-    this file imported every module. `__main__` is no attribute: importing it runs the command."""
+    """A public name, imported from its module on first use; else a subpackage or module (`moe_attrib.scoring`).
+    `__main__` is no attribute: importing it runs the command."""
     if name in _HOME:
         value = getattr(importlib.import_module(_HOME[name]), name)
     elif name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
@@ -118,16 +150,3 @@ def __getattr__(name: str) -> object:
 def __dir__() -> list[str]:
     """The names loaded so far and every public name (loaded or not)."""
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """The package module. Importing a submodule binds it on the package under its name; where a public
-    name is that name (`score`, the function of `moe_attrib.score`), the public name wins, as before."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _HOME and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

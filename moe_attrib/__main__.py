@@ -2,6 +2,6 @@
 
 import sys
 
-from moe_attrib.cli import main
+from moe_attrib.app.cli import main
 
 sys.exit(main())

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from moe_attrib.errors import MoeAttribError
-from moe_attrib.sharding import sample_values
+from moe_attrib.model.sharding import sample_values
 
 SAMPLES_PER_TENSOR = 1024
 

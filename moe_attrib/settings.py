@@ -56,7 +56,7 @@ class SettingsVersionError(MoeAttribError, ValueError):
     """Settings recorded by a newer moe-attrib, in a layout this one cannot read."""
 
 
-# argument types of the flags (pure Python: `moe_attrib.checks` re-exports them)
+# argument types of the flags (pure Python: `moe_attrib.workflows.checks` re-exports them)
 
 
 def positive_int(text: str) -> int:
@@ -238,7 +238,7 @@ class CollectSettings(Settings):
         cli_default=None,
     )
     seed: int = setting(0, "projection seed (and EK-FAC label sampling)", type=int)
-    projection: str = setting(PROJECTION, flag="")  # the projection kind (moe_attrib.projection)
+    projection: str = setting(PROJECTION, flag="")  # the projection kind (moe_attrib.collect.projection)
     expert_blocks: str = setting(
         "separate",
         "separate: columns per expert (per-expert scores); sum: one block per layer, experts summed",
@@ -352,7 +352,7 @@ class ScoreSettings(Settings):
     per_module: bool = setting(False, "per-layer and per-expert breakdown of each score", action="store_true")
     block_bytes: int = setting(DEFAULT_BLOCK_BYTES, flag="")  # stored bytes of index rows per streamed block
     block_rows: int | None = setting(None, flag="")  # or rows per block
-    reader: str = setting(DEFAULT_READER, flag="")  # how blocks are read (moe_attrib.stream)
+    reader: str = setting(DEFAULT_READER, flag="")  # how blocks are read (moe_attrib.indexing.stream)
     threads: int | None = setting(None, flag="")  # reader threads
 
     @property

@@ -10,8 +10,8 @@ compressor) break `ekfac` also without --fsdp (main's bug, not sharding's)."""
 
 import sys
 
-from moe_attrib.cli import build_parser
-from moe_attrib.distributed import teardown
+from moe_attrib.app.cli import build_parser
+from moe_attrib.model.distributed import teardown
 
 EKFAC_ARGS = ["--filter_modules", "*.mlp.*"]
 COMMON = ["--track_moe_experts", "--projection_dim", "8", "--token_batch_size", "80", "--precision", "fp32"]

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from moe_attrib.discovery import Target
+from moe_attrib.model.discovery import Target
 
 
 def example_loss(model, ids: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-import moe_attrib.balance as balance_module
+import moe_attrib.scoring.balance as balance_module
 import tests.test_score_stream as stream_tests
-from moe_attrib.balance import OUTPUT_LAYER, fit_balance
-from moe_attrib.coupling import sample_rows
-from moe_attrib.index import load_index
-from moe_attrib.precondition import precondition_queries
-from moe_attrib.score import ScoreError, hit_parts, query_gradients, score, score_matrix
+from moe_attrib.curvature.precondition import precondition_queries
+from moe_attrib.indexing.index import load_index
+from moe_attrib.scoring.balance import OUTPUT_LAYER, fit_balance
+from moe_attrib.scoring.coupling import sample_rows
+from moe_attrib.scoring.score import ScoreError, hit_parts, query_gradients, score, score_matrix
 from tests.conftest import assert_top_rows
 from tests.test_build import CORPUS, ENV, model_dir  # noqa: F401  (fixture)
 from tests.test_coupling import score_on_and_off
@@ -144,7 +144,7 @@ def test_cli_balances_by_default_and_records_it(built, model_dir, tmp_path):  # 
 def test_fit_balance_takes_the_whole_models_coupling_and_refuses_other_arguments_up_front(synthetic, monkeypatch):
     """A fitted `Coupling` gives the output layer's coupling its gamma, rank and sample (what `"auto"`
     fits); a wrong type or an unknown key is a TypeError naming what it takes, before any row is read."""
-    from moe_attrib.coupling import fit_coupling
+    from moe_attrib.scoring.coupling import fit_coupling
 
     index, rows, q, mask = synthetic
     whole = fit_coupling(index, gamma=0.5, rank=3, sample=40)

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import moe_attrib as ma
 from moe_attrib.data import collate, load_examples
-from moe_attrib.index import IndexFileError, load_index
-from moe_attrib.zoo import save_tiny
+from moe_attrib.indexing.index import IndexFileError, load_index
+from moe_attrib.model.zoo import save_tiny
 from tests.conftest import run_torchrun
 
 CORPUS = Path(__file__).parent / "data" / "tiny_corpus.jsonl"

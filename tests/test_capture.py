@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import moe_attrib as ma
+from moe_attrib.collect.projection import projection_matrix
+from moe_attrib.curvature.ekfac import fit_ekfac
 from moe_attrib.data import Example
-from moe_attrib.ekfac import fit_ekfac
-from moe_attrib.projection import projection_matrix
-from moe_attrib.zoo import tiny_model
+from moe_attrib.model.zoo import tiny_model
 from tests.conftest import rel_err
 from tests.reference import reference_gradients
 
@@ -348,7 +348,7 @@ def test_grouped_linear_token_rows_sum_to_its_example_gradient(padded_batch, pro
 def test_experts_are_checked_once_per_process(padded_batch, monkeypatch):
     """The check against the module's own (eager, slow) forward runs on the first capture only;
     a later collector on the same module skips it and still gives the same gradients."""
-    from moe_attrib.capture import Capture
+    from moe_attrib.collect.capture import Capture
 
     ids, mask = padded_batch
     model = tiny_model("qwen3_moe")

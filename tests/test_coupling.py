@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from moe_attrib import coupling as cp
-from moe_attrib.coupling import fit_coupling, resolve_coupling
-from moe_attrib.index import load_index
-from moe_attrib.precondition import precondition_queries
-from moe_attrib.score import ScoreError, query_gradients, score, score_matrix
+from moe_attrib.curvature.precondition import precondition_queries
+from moe_attrib.indexing.index import load_index
+from moe_attrib.scoring import coupling as cp
+from moe_attrib.scoring.coupling import fit_coupling, resolve_coupling
+from moe_attrib.scoring.score import ScoreError, query_gradients, score, score_matrix
 from tests.conftest import assert_top_rows
 from tests.test_build import CORPUS, ENV, model_dir  # noqa: F401  (fixture)
 from tests.test_integrity import cli, inproc

@@ -8,8 +8,8 @@ import torch
 from tokenizers import processors
 
 from moe_attrib.data import DataError, collate, labels_for, load_examples
-from moe_attrib.index import load_index
-from moe_attrib.zoo import save_tiny, train_tokenizer
+from moe_attrib.indexing.index import load_index
+from moe_attrib.model.zoo import save_tiny, train_tokenizer
 from tests.test_build import CORPUS, texts
 from tests.test_integrity import cli, fails, inproc, ok
 

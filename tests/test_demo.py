@@ -2,7 +2,7 @@
 
 import json
 
-from moe_attrib.demo import make_corpus, run_demo
+from moe_attrib.app.demo import make_corpus, run_demo
 
 
 def test_corpus_is_deterministic_and_queries_point_at_their_fact():

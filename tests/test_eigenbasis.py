@@ -8,15 +8,15 @@ import pytest
 import torch
 
 import moe_attrib as ma
-from moe_attrib.build import build_index
+from moe_attrib.collect.projection import projection_matrix
+from moe_attrib.curvature.eigenbasis import allocate, direction_order, factors_fingerprint, parse_bytes, plan_eigenbasis
+from moe_attrib.curvature.ekfac import fit_ekfac
+from moe_attrib.curvature.precondition import EXPERT_BLOCK, ScoreError, precondition_queries
 from moe_attrib.data import collate
-from moe_attrib.eigenbasis import allocate, direction_order, factors_fingerprint, parse_bytes, plan_eigenbasis
-from moe_attrib.ekfac import fit_ekfac
-from moe_attrib.index import load_index
-from moe_attrib.precondition import EXPERT_BLOCK, ScoreError, precondition_queries
-from moe_attrib.projection import projection_matrix
-from moe_attrib.score import query_gradients, score
-from moe_attrib.zoo import tiny_model
+from moe_attrib.indexing.build import build_index
+from moe_attrib.indexing.index import load_index
+from moe_attrib.model.zoo import tiny_model
+from moe_attrib.scoring.score import query_gradients, score
 from tests.conftest import rel_err
 from tests.test_ekfac import examples
 
@@ -170,9 +170,9 @@ def test_plan_refuses_unfolded_bias_and_missing_factor():
 def test_inspect_plans_from_config_alone(tmp_path, capsys):
     """`inspect` on a directory with only config.json: the meta-device model's coverage and the default
     index's bytes per example, equal to the column plan of the real model."""
-    from moe_attrib.cli import main
-    from moe_attrib.index import DEFAULT_PROJECTION_DIM, column_plan
-    from moe_attrib.zoo import tiny_config
+    from moe_attrib.app.cli import main
+    from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM, column_plan
+    from moe_attrib.model.zoo import tiny_config
 
     tiny_config("gpt_oss").save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
@@ -186,8 +186,8 @@ def test_inspect_plans_from_config_alone(tmp_path, capsys):
 
 def test_cli_flow_and_refused_factors(tmp_path, capsys):
     """ekfac -> build --ekfac --budget -> score --ekfac; other factors are refused before any work."""
-    from moe_attrib.cli import main
-    from moe_attrib.zoo import save_tiny
+    from moe_attrib.app.cli import main
+    from moe_attrib.model.zoo import save_tiny
     from tests.test_build import CORPUS, texts
 
     model = tmp_path / "model"

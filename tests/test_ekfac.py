@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import moe_attrib as ma
+from moe_attrib.collect.projection import projection_matrix
+from moe_attrib.curvature.ekfac import FactorMemoryError, fit_ekfac, load_ekfac
 from moe_attrib.data import Example, collate
-from moe_attrib.ekfac import FactorMemoryError, fit_ekfac, load_ekfac
-from moe_attrib.projection import projection_matrix
-from moe_attrib.zoo import tiny_model
+from moe_attrib.model.zoo import tiny_model
 from tests.conftest import rel_err, run_torchrun
 from tests.test_build import CORPUS, ENV, model_dir  # noqa: F401  (fixture)
 
@@ -110,8 +110,8 @@ def _stacked(grads, name: str, experts: int | None, kind: str) -> torch.Tensor:
 def test_folded_bias_factors_eigenvalues_and_preconditioning():
     """Kronfluence's bias folding: `A` of `[x, 1]`, Lambda of the rotated `[W, b]` per example, and the
     preconditioned `[W, b]` equal to a dense solve with the EK-FAC matrix."""
-    from moe_attrib.index import Block
-    from moe_attrib.score import precondition_queries
+    from moe_attrib.indexing.index import Block
+    from moe_attrib.scoring.score import precondition_queries
 
     model = tiny_model("gpt_oss")  # biases on attention, routers and experts; transposed experts
     exs = examples(10)
@@ -334,7 +334,7 @@ def _hand_factors() -> dict:
     """Two factors with identity eigenbases and eigenvalues written out: a dense 2 x 2 module
     (Lambda = [[1, 3], [5, 7]], mean 4) and a fused 2-expert module whose second expert saw nothing
     (Lambda = all 2, all 0: expert means 2 and 0, module mean 1). Model-wide mean: 24 / 12 = 2."""
-    from moe_attrib.ekfac import Factor
+    from moe_attrib.curvature.ekfac import Factor
 
     eye = torch.eye(2, dtype=torch.float64)
     dense_lam = torch.tensor([[1.0, 3.0], [5.0, 7.0]], dtype=torch.float64)
@@ -355,7 +355,7 @@ def test_damping_rule_on_eigenvalues_computed_by_hand(scope, dense, experts):
     """`damping 0.5 x mean(Lambda)` over each scope, against the means worked out by hand (model 2,
     dense module 4, expert module 1, experts 2 and 0; a zero mean falls back to the model-wide
     0.5 x 2 = 1), and the preconditioned gradient of all ones against `1 / (Lambda + damping)`."""
-    from moe_attrib.ekfac import set_damping
+    from moe_attrib.curvature.ekfac import set_damping
 
     factors = _hand_factors()
     set_damping(factors, 0.5, scope)

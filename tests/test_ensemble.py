@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from moe_attrib.ensemble import mean_top_k
-from moe_attrib.index import load_index
+from moe_attrib.indexing.index import load_index
+from moe_attrib.workflows.ensemble import mean_top_k
 from tests.test_build import CORPUS, ENV, build, model_dir  # noqa: F401  (fixture)
 
 

@@ -10,30 +10,30 @@ import io
 import pkgutil
 
 import moe_attrib
-from moe_attrib import cli
+from moe_attrib.app import cli
 from moe_attrib.errors import MoeAttribError, error_text, exit_code
 
 # Every error class at 3911cc1 with the builtin (or project) base it had then; callers that catch those keep working.
 RECORDED = {
-    "moe_attrib.build.NonFiniteGradientError": ValueError,
-    "moe_attrib.checks.UsageError": ValueError,
+    "moe_attrib.indexing.build.NonFiniteGradientError": ValueError,
+    "moe_attrib.workflows.checks.UsageError": ValueError,
     "moe_attrib.data.DataError": ValueError,
-    "moe_attrib.demo.DemoError": ValueError,
-    "moe_attrib.eigenbasis.EigenbasisError": ValueError,
-    "moe_attrib.ekfac.FactorMemoryError": MemoryError,
-    "moe_attrib.ensemble.EnsembleError": ValueError,
+    "moe_attrib.app.demo.DemoError": ValueError,
+    "moe_attrib.curvature.eigenbasis.EigenbasisError": ValueError,
+    "moe_attrib.curvature.ekfac.FactorMemoryError": MemoryError,
+    "moe_attrib.workflows.ensemble.EnsembleError": ValueError,
     "moe_attrib.fingerprint.FingerprintError": ValueError,
-    "moe_attrib.ihvp.RefineError": ValueError,  # a ScoreError
-    "moe_attrib.index.IndexDtypeError": ValueError,
-    "moe_attrib.index.IndexFileError": RuntimeError,
-    "moe_attrib.info.InfoError": ValueError,
-    "moe_attrib.layouts.errors.LayoutError": ValueError,
-    "moe_attrib.normalizers.OptimizerStateError": ValueError,
+    "moe_attrib.curvature.ihvp.RefineError": ValueError,  # a ScoreError
+    "moe_attrib.indexing.index.IndexDtypeError": ValueError,
+    "moe_attrib.indexing.index.IndexFileError": RuntimeError,
+    "moe_attrib.app.info.InfoError": ValueError,
+    "moe_attrib.model.layouts.errors.LayoutError": ValueError,
+    "moe_attrib.collect.normalizers.OptimizerStateError": ValueError,
     "moe_attrib.outputs.OutputError": ValueError,
-    "moe_attrib.precondition.ScoreError": ValueError,
-    "moe_attrib.results.ResultsError": ValueError,
-    "moe_attrib.sharding.ShardingError": ValueError,
-    "moe_attrib.trainer.TrainerAttributionError": ValueError,
+    "moe_attrib.curvature.precondition.ScoreError": ValueError,
+    "moe_attrib.scoring.results.ResultsError": ValueError,
+    "moe_attrib.model.sharding.ShardingError": ValueError,
+    "moe_attrib.workflows.trainer.TrainerAttributionError": ValueError,
 }
 
 
@@ -58,7 +58,9 @@ def test_every_error_class_derives_from_the_base_and_keeps_its_builtin_base():
         assert not issubclass(cls, Warning), name
     for name, base in RECORDED.items():
         assert issubclass(found[name], base), f"{name} lost its base {base.__name__}"
-    assert issubclass(found["moe_attrib.ihvp.RefineError"], found["moe_attrib.precondition.ScoreError"])
+    assert issubclass(
+        found["moe_attrib.curvature.ihvp.RefineError"], found["moe_attrib.curvature.precondition.ScoreError"]
+    )
 
 
 def test_exit_codes_are_the_ones_main_returned():

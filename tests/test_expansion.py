@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import moe_attrib as ma
-from moe_attrib.experts import ExpertLinear
-from moe_attrib.zoo import FAMILIES, tiny_model
+from moe_attrib.model.experts import ExpertLinear
+from moe_attrib.model.zoo import FAMILIES, tiny_model
 
 
 def _snapshot(model):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moe_attrib as ma
-from moe_attrib.zoo import tiny_model
+from moe_attrib.model.zoo import tiny_model
 from tests.conftest import rel_err
 from tests.reference import reference_gradients
 
@@ -77,7 +77,7 @@ def test_fsdp_one_rank_matches_plain_path_and_step_time(tmp_path):
 
 @pytest.mark.parametrize("shape", [(8, 37, None), (32, 2048, 16), (16, 151_936, None)])
 def test_cuda_projection_matrix_is_bitwise_the_cpu_one(shape):
-    from moe_attrib.projection import Projections, projection_matrix
+    from moe_attrib.collect.projection import Projections, projection_matrix
 
     rows, cols, batch = shape
     cpu = projection_matrix("model.layers.3.mlp.experts.gate_up_proj/in", rows, cols, seed=5, batch=batch)
@@ -131,8 +131,8 @@ def test_cuda_coupled_scores_equal_cpu_ones(tmp_path):
 def test_cuda_segment_sums_match_brute_force(dtype):
     """Per-segment sums on CUDA: bf16 through grouped_mm (offsets along the contracted rows), fp32 through
     the tiled batched matmuls; a skewed segment, empty segments and rows past the last segment."""
-    from moe_attrib.layouts import Kernels
-    from moe_attrib.layouts.kernels import tiled_segment_mm
+    from moe_attrib.model.layouts import Kernels
+    from moe_attrib.model.layouts.kernels import tiled_segment_mm
 
     gen = torch.Generator().manual_seed(0)
     rows, segments, a, b = 4096, 256, 32, 16
@@ -160,7 +160,7 @@ def test_cuda_segment_sums_match_brute_force(dtype):
 def test_cuda_formation_peak_memory_sized_by_routed_rows(monkeypatch):
     """Peak memory of forming 64-expert per-example gradients stays a small multiple of the routed rows
     and outputs, well under the old padded `[E * N, L, p]` grid (one side: 8.4 MB here)."""
-    import moe_attrib.collector as collector_module
+    import moe_attrib.collect.collector as collector_module
 
     experts, top_k, n, length, p = 64, 2, 8, 128, 8
     sizes = dict(num_experts=experts, num_local_experts=experts, n_routed_experts=experts)
@@ -217,7 +217,7 @@ def test_cuda_recompute_same_rows_less_memory():
 
 def test_cuda_fused_head_equals_eager_head(padded_batch, monkeypatch):
     """bf16 on the GPU: the output layer fused with the loss, 5 rows a chunk, against the eager loss."""
-    import moe_attrib.head as head
+    import moe_attrib.model.head as head
 
     ids, mask = (t.cuda() for t in padded_batch)
     model = tiny_model("qwen3_moe", dtype=torch.bfloat16, vocab_size=4096).cuda()
@@ -236,7 +236,7 @@ def test_cuda_fused_head_equals_eager_head(padded_batch, monkeypatch):
 def test_cuda_norm_backward_kernel_matches_autograd(width, one_plus):
     """The Triton RMSNorm backward against autograd of the eager formula, bf16 rows, float32 weights
     (`one_plus=None`: a weightless norm)."""
-    from moe_attrib.norms import rms_norm_backward
+    from moe_attrib.model.norms import rms_norm_backward
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(3000, width, generator=gen, device="cuda").bfloat16()
@@ -335,7 +335,7 @@ def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch, cuda_graph
     (`cuda_graphs=False`)."""
     import numpy as np
 
-    import moe_attrib.loop as loop
+    import moe_attrib.collect.loop as loop
     from moe_attrib.data import Example
 
     made = []

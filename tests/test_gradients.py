@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import moe_attrib as ma
-from moe_attrib.discovery import decoder_layers
-from moe_attrib.projection import projection_matrix
-from moe_attrib.zoo import FAMILIES, tiny_model
+from moe_attrib.collect.projection import projection_matrix
+from moe_attrib.model.discovery import decoder_layers
+from moe_attrib.model.zoo import FAMILIES, tiny_model
 from tests.conftest import rel_err
 from tests.reference import reference_gradients
 
@@ -220,7 +220,7 @@ def test_silu_gate_keeps_only_gate_up_and_matches_eager_bitwise():
     silu(gate)), with the same forward and input gradient, bit for bit."""
     import torch.nn.functional as F
 
-    from moe_attrib.layouts.routed import SiluGate
+    from moe_attrib.model.layouts.routed import SiluGate
 
     def kept_bytes(fn, x):
         storages = {}

@@ -1,4 +1,4 @@
-"""CUDA-graphed collection (`moe_attrib.graphs`): the checks that need no GPU. The graphed step
+"""CUDA-graphed collection (`moe_attrib.collect.graphs`): the checks that need no GPU. The graphed step
 itself is compared with the eager one in `tests/test_gpu.py`."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 import transformers.masking_utils as masking
 
 import moe_attrib as ma
-from moe_attrib.graphs import GraphedCollector, graphed_shapes, unpacked_positions
-from moe_attrib.zoo import tiny_model
+from moe_attrib.collect.graphs import GraphedCollector, graphed_shapes, unpacked_positions
+from moe_attrib.model.zoo import tiny_model
 
 
 def test_unpacked_positions_answers_not_packed_and_restores_transformers():
@@ -50,8 +50,8 @@ def test_graphed_collector_refuses_what_it_cannot_replay():
 
 def test_build_index_refuses_cuda_graphs_it_cannot_run(tmp_path):
     """Before any work: no CUDA device, or recompute (Python per layer); nothing is written."""
-    from moe_attrib.build import check_graphable
     from moe_attrib.data import Example
+    from moe_attrib.indexing.build import check_graphable
 
     model = tiny_model("qwen3_moe")
     examples = [Example(i, list(range(3, 11))) for i in range(4)]
@@ -100,7 +100,7 @@ def _result(grad: torch.Tensor, losses: torch.Tensor, counts: torch.Tensor) -> m
 def test_a_replay_is_kept_only_if_it_is_the_eager_step():
     """The check a first replay passes before its graph is kept: the eager step's routing and losses, and
     gradients within the eager backward's own spread; any other replay is named and dropped."""
-    from moe_attrib.graphs import GRADIENT_TOLERANCE, _disagreement
+    from moe_attrib.collect.graphs import GRADIENT_TOLERANCE, _disagreement
 
     gen = torch.Generator().manual_seed(0)
     grad, losses = torch.randn(3, 4, 8, 8, generator=gen), torch.rand(3, generator=gen) + 1
@@ -121,7 +121,7 @@ def test_a_replay_is_kept_only_if_it_is_the_eager_step():
 
 def test_build_command_line_cuda_graphs_modes():
     """`--cuda_graphs` absent is auto, bare is on, and anything but auto/on/off is refused."""
-    from moe_attrib.cli import build_parser
+    from moe_attrib.app.cli import build_parser
 
     parser = build_parser()
 

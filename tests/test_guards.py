@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_attrib.index import load_index, part_dir
-from moe_attrib.zoo import save_tiny
+from moe_attrib.indexing.index import load_index, part_dir
+from moe_attrib.model.zoo import save_tiny
 from tests.test_build import CORPUS, texts
 from tests.test_integrity import ENV, fails, ok
 
@@ -33,7 +33,7 @@ BUILD = ["--track_moe_experts", "--projection_dim", 4, "--quiet", "--precision",
 def inproc(*args) -> subprocess.CompletedProcess:
     """`moe-attrib ARGS` in this process; a KeyboardInterrupt escaping `main()` fails the test (it would
     otherwise stop the whole test session)."""
-    from moe_attrib.cli import main
+    from moe_attrib.app.cli import main
 
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
@@ -104,7 +104,7 @@ def test_outputs_never_replace_inputs_or_existing_files(env, tmp_path):
 
 
 def test_interrupted_all_scores_leaves_the_previous_matrix(env, tmp_path, monkeypatch):
-    score_module = importlib.import_module("moe_attrib.score")  # the package exports a function `score`
+    score_module = importlib.import_module("moe_attrib.scoring.score")  # the package exports a function `score`
     matrix = tmp_path / "S.npy"
     score = ["score", "--index", env / "idx", env / "model", env / "q.jsonl", "--out", tmp_path / "s.jsonl"]
     ok(inproc(*score, "--all_scores", matrix))
@@ -180,7 +180,7 @@ def test_rows_over_the_context_and_empty_completions(env, tmp_path):
 
 
 def test_a_part_being_written_is_never_shared(env, tmp_path, monkeypatch):
-    from moe_attrib.index import IndexWriter
+    from moe_attrib.indexing.index import IndexWriter
 
     target = tmp_path / "idx"
     args = ["build", env / "model", env / "train.jsonl", "--index", target, *BUILD]
@@ -260,8 +260,8 @@ def test_ctrl_c_in_ekfac_and_score_is_one_line(env, tmp_path, monkeypatch):
     def stop(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(importlib.import_module("moe_attrib.ekfac"), "fit_ekfac", stop)
-    monkeypatch.setattr(importlib.import_module("moe_attrib.score"), "query_gradients", stop)
+    monkeypatch.setattr(importlib.import_module("moe_attrib.curvature.ekfac"), "fit_ekfac", stop)
+    monkeypatch.setattr(importlib.import_module("moe_attrib.scoring.score"), "query_gradients", stop)
     res = inproc("ekfac", env / "model", env / "train.jsonl", "--out", tmp_path / "ek", *BUILD)
     assert res.returncode == 130 and one_line(res).startswith("moe-attrib ekfac: interrupted"), res.stderr
     res = inproc("score", "--index", env / "idx", env / "model", env / "q.jsonl", "--out", tmp_path / "s.jsonl")
@@ -272,7 +272,7 @@ def test_ctrl_c_in_ekfac_and_score_is_one_line(env, tmp_path, monkeypatch):
 def test_plain_forward_inside_a_collector(env):
     from transformers import AutoModelForCausalLM
 
-    from moe_attrib.collector import GradientCollector
+    from moe_attrib.collect.collector import GradientCollector
     from tests.reference import reference_gradients
 
     model = AutoModelForCausalLM.from_pretrained(env / "model").eval()
@@ -320,9 +320,9 @@ def test_one_error_style_for_arguments_and_every_command(env, tmp_path):
 
 
 def test_encodings_escapes_and_help(env, tmp_path):
-    from moe_attrib.cli import build_parser
+    from moe_attrib.app.cli import build_parser
+    from moe_attrib.app.report import show_text
     from moe_attrib.data import load_examples
-    from moe_attrib.report import show_text
 
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + CORPUS.read_bytes())

@@ -1,4 +1,4 @@
-"""The refined inverse-Hessian-vector product (`moe_attrib.ihvp`) against brute force on a tiny MoE.
+"""The refined inverse-Hessian-vector product (`moe_attrib.curvature.ihvp`) against brute force on a tiny MoE.
 
 The dense Gauss-Newton matrix is built from per-example Jacobians of the logits (one batched
 backward per example over every logit), `G = 1/N sum_n sum_t J_t^T (diag p - p p^T) J_t` over the
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import moe_attrib as ma
-from moe_attrib import ihvp
+from moe_attrib.curvature import ihvp
 from moe_attrib.data import Example, collate, labels_for
-from moe_attrib.zoo import tiny_model
+from moe_attrib.model.zoo import tiny_model
 from tests.conftest import rel_err
 from tests.test_build import model_dir  # noqa: F401  (fixture)
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from moe_attrib.curvature.ekfac import fit_ekfac
 from moe_attrib.data import load_examples
-from moe_attrib.ekfac import fit_ekfac
 from moe_attrib.fingerprint import FingerprintError, model_fingerprint, tokenizer_fingerprint
-from moe_attrib.index import load_index
-from moe_attrib.score import query_gradients
-from moe_attrib.zoo import save_tiny, train_tokenizer
+from moe_attrib.indexing.index import load_index
+from moe_attrib.model.zoo import save_tiny, train_tokenizer
+from moe_attrib.scoring.score import query_gradients
 from tests.test_build import CORPUS, ENV, texts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def cli(*args, cwd=None, env=None, timeout=300):
 def inproc(*args, env=None, monkeypatch=None):
     """`moe-attrib ARGS` in this process: the same parsing, checks, messages and exit code as the
     command, without paying a fresh interpreter for checks that stop before any work."""
-    from moe_attrib.cli import main
+    from moe_attrib.app.cli import main
 
     err = io.StringIO()
     for key, value in (env or {}).items():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_attrib.cli import main
+from moe_attrib.app.cli import main
 
 LEGACY = Path(__file__).parent / "data" / "legacy-index-0.1.0"
 CASES = {  # expected file -> the score command's arguments (beyond the index, model and queries)
@@ -52,8 +52,8 @@ def test_legacy_index_scores_as_recorded(expected, tmp_path):
 
 @pytest.mark.parametrize("what", ["index", "ekfac"])
 def test_settings_from_a_future_version_are_refused(what, tmp_path):
-    from moe_attrib.ekfac import load_ekfac
-    from moe_attrib.index import load_index
+    from moe_attrib.curvature.ekfac import load_ekfac
+    from moe_attrib.indexing.index import load_index
     from moe_attrib.settings import SettingsVersionError
 
     copy = tmp_path / what
@@ -93,9 +93,9 @@ def test_build_and_ekfac_write_what_0_1_0_wrote(tmp_path):
 
 
 def test_score_queries_from_python_gives_the_recorded_records():
-    """The Python pipeline (`moe_attrib.attribution.score_queries`) is the command: the same records."""
-    from moe_attrib.attribution import QueryReading, score_queries
+    """The Python pipeline (`moe_attrib.workflows.attribution.score_queries`) is the command: the same records."""
     from moe_attrib.settings import ScoreSettings
+    from moe_attrib.workflows.attribution import QueryReading, score_queries
 
     done = score_queries(
         LEGACY / "index", "tiny:mixtral", str(LEGACY / "queries.jsonl"), ScoreSettings(top_k=3, per_module=True),
@@ -107,7 +107,7 @@ def test_score_queries_from_python_gives_the_recorded_records():
 
 def test_build_without_projection_flags_projects_to_the_default(tmp_path):
     """No --projection_dim: p = DEFAULT_PROJECTION_DIM (32), as 0.1.0 built; --no_projection: exact rows."""
-    from moe_attrib.index import load_index
+    from moe_attrib.indexing.index import load_index
 
     train = str(LEGACY / "train.jsonl")
     assert main(["build", "tiny:mixtral", train, "--index", str(tmp_path / "a"), "--quiet", "--device", "cpu"]) == 0

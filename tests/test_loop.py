@@ -6,11 +6,11 @@ import numpy as np
 import torch
 
 import moe_attrib as ma
-from moe_attrib.collector import GradientCollector
+from moe_attrib.collect.collector import GradientCollector
+from moe_attrib.collect.loop import CollectionLoop, Progress, Step
 from moe_attrib.data import collate, labels_for, token_batches
-from moe_attrib.distributed import Dist
-from moe_attrib.index import column_plan, flatten_batch
-from moe_attrib.loop import CollectionLoop, Progress, Step
+from moe_attrib.indexing.index import column_plan, flatten_batch
+from moe_attrib.model.distributed import Dist
 from tests.test_pipeline import examples, model  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")

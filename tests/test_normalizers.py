@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import moe_attrib as ma
-from moe_attrib.collector import GradientCollector, example_losses
-from moe_attrib.normalizers import Normalizer, OptimizerStateError, load_optimizer_state
-from moe_attrib.projection import projection_matrix
-from moe_attrib.zoo import tiny_model
+from moe_attrib.collect.collector import GradientCollector, example_losses
+from moe_attrib.collect.normalizers import Normalizer, OptimizerStateError, load_optimizer_state
+from moe_attrib.collect.projection import projection_matrix
+from moe_attrib.model.zoo import tiny_model
 from tests.conftest import rel_err
 
 
@@ -86,8 +86,8 @@ def test_build_and_score_with_optimizer_state(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from moe_attrib.index import load_index
-    from moe_attrib.zoo import save_tiny
+    from moe_attrib.indexing.index import load_index
+    from moe_attrib.model.zoo import save_tiny
     from tests.test_build import CORPUS, ENV, texts
 
     model_dir = tmp_path / "m"

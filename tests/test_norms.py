@@ -1,12 +1,12 @@
-"""The RMSNorms' one-pass backward (`moe_attrib.norms`) against autograd."""
+"""The RMSNorms' one-pass backward (`moe_attrib.model.norms`) against autograd."""
 
 import pytest
 import torch
 from torch import nn
 
 import moe_attrib as ma
-from moe_attrib import norms
-from moe_attrib.zoo import tiny_model
+from moe_attrib.model import norms
+from moe_attrib.model.zoo import tiny_model
 from tests.conftest import rel_err
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import moe_attrib as ma
-from moe_attrib.collector import GradientCollector
+from moe_attrib.collect.collector import GradientCollector
+from moe_attrib.collect.prefetch import BackgroundWriter, HostCopy, prefetch
 from moe_attrib.data import Example, collate, labels_for, token_batches
-from moe_attrib.index import IndexWriter, column_plan, flatten_batch, load_index, part_dir
-from moe_attrib.pipeline import BackgroundWriter, HostCopy, prefetch
-from moe_attrib.zoo import tiny_model
+from moe_attrib.indexing.index import IndexWriter, column_plan, flatten_batch, load_index, part_dir
+from moe_attrib.model.zoo import tiny_model
 
 
 def examples(n=10):

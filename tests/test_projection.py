@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import moe_attrib as ma
-from moe_attrib import projection as pj
-from moe_attrib.score import ScoreError, precondition_queries
-from moe_attrib.zoo import tiny_model
+from moe_attrib.collect import projection as pj
+from moe_attrib.model.zoo import tiny_model
+from moe_attrib.scoring.score import ScoreError, precondition_queries
 from tests.test_pipeline import examples, model  # noqa: F401  (fixture)
 
 M32 = 0xFFFFFFFF
@@ -212,8 +212,8 @@ def test_v2_keeps_narrow_sides_exact(family, padded_batch):
 def test_v2_index_rows_by_hand_and_v1_index_unchanged(model, tmp_path):  # noqa: F811
     """Index rows of both Rademacher kinds against exact gradients projected by hand (v1: every side to p,
     the router's 8 experts expanded to p = 16); each scores its own query rows; a mixed EK-FAC is refused."""
-    from moe_attrib.checks import UsageError, check_ekfac_dirs
     from moe_attrib.data import collate, labels_for
+    from moe_attrib.workflows.checks import UsageError, check_ekfac_dirs
 
     ex, p = examples(6), 16
     ids, mask = collate(ex, list(range(6)))

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import moe_attrib as ma
+from moe_attrib.curvature.ekfac import fit_ekfac, set_damping
 from moe_attrib.data import Example, collate
-from moe_attrib.ekfac import fit_ekfac, set_damping
-from moe_attrib.zoo import tiny_model
+from moe_attrib.model.zoo import tiny_model
 from tests.conftest import assert_top_rows, rel_err
 from tests.test_build import ENV
 

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from moe_attrib.demo import run_demo
+from moe_attrib.app.demo import run_demo
 from tests.test_build import ENV
 
 SECTIONS = ("top-examples", "experts", "routing")
@@ -85,7 +85,7 @@ def test_report_command_shares_the_demo_code_path(demo, tmp_path):
 def test_report_without_matplotlib_draws_tables(demo, tmp_path):
     out, _, records = demo
     code = (
-        "import sys; sys.modules['matplotlib'] = None; from moe_attrib.cli import main; "
+        "import sys; sys.modules['matplotlib'] = None; from moe_attrib.app.cli import main; "
         f"sys.exit(main(['report', '--index', {str(out / 'index')!r}, {str(out / 'scores.jsonl')!r}, "
         f"'--out', {str(tmp_path / 't.html')!r}, '--top', '2']))"
     )
@@ -137,8 +137,8 @@ def test_report_fits_1280_pixels_without_sideways_scroll(demo, tmp_path):
     """Long unbroken lines (an index path, a training text without spaces) wrap inside the page: at a
     1280 px window the document is no wider than the window. Measured by Chromium itself, through
     a copy of the page whose script writes `scrollWidth` into the DOM."""
-    from moe_attrib.index import load_index
-    from moe_attrib.report import render_report
+    from moe_attrib.app.report import render_report
+    from moe_attrib.indexing.index import load_index
 
     out, _, _ = demo
     deep = tmp_path / ("a-long-directory-name-" * 8)
@@ -166,7 +166,7 @@ def test_report_fits_1280_pixels_without_sideways_scroll(demo, tmp_path):
 def test_routing_figure_labels_its_expert_columns():
     """The routing map numbers the experts of each layer along the bottom and names the layers on top."""
     pytest.importorskip("matplotlib")
-    from moe_attrib.report import routing_figure
+    from moe_attrib.app.report import routing_figure
 
     shares = np.random.default_rng(0).random((3, 2 * 8))
     fig = routing_figure(shares, ["query", "#1", "#2"], ["L0", "L1"], 8)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from moe_attrib.curvature.ekfac import fit_ekfac, load_ekfac
 from moe_attrib.data import load_examples
-from moe_attrib.ekfac import fit_ekfac, load_ekfac
-from moe_attrib.index import load_index
-from moe_attrib.score import ScoreError, precondition_queries, query_gradients, score
+from moe_attrib.indexing.index import load_index
+from moe_attrib.scoring.score import ScoreError, precondition_queries, query_gradients, score
 from tests.conftest import assert_top_rows
 from tests.test_build import CORPUS, ENV, build, model_dir  # noqa: F401  (fixture)
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from moe_attrib import stream
-from moe_attrib.build import build_index
 from moe_attrib.data import load_examples
-from moe_attrib.index import IndexDtypeError, IndexFileError, IndexWriter, load_index
-from moe_attrib.score import prepare_queries, query_gradients, score, score_matrix
-from moe_attrib.stream import stream_rows
+from moe_attrib.indexing import stream
+from moe_attrib.indexing.build import build_index
+from moe_attrib.indexing.index import IndexDtypeError, IndexFileError, IndexWriter, load_index
+from moe_attrib.indexing.stream import stream_rows
+from moe_attrib.scoring.score import prepare_queries, query_gradients, score, score_matrix
 from tests.conftest import assert_top_rows
 from tests.test_build import CORPUS, ENV, model_dir  # noqa: F401  (fixture)
 
@@ -224,7 +224,7 @@ def test_16_bit_index_effect_on_real_scores(model_dir, tmp_path):  # noqa: F811
 
 
 def test_token_shares_of_a_bf16_token_index_read_the_widened_rows(tmp_path, rows53):
-    from moe_attrib.details import token_scores
+    from moe_attrib.scoring.details import token_scores
 
     offsets = np.array([0, 20, 40, 53])
     index = load_index(write_index(tmp_path / "tok", rows53, "bfloat16", token_offsets=offsets, batch=2))

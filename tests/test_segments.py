@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_attrib as ma
-import moe_attrib.collector as collector_module
-from moe_attrib.layouts import Kernels
-from moe_attrib.layouts.kernels import tiled_segment_mm
-from moe_attrib.layouts.routed import route_rows
-from moe_attrib.zoo import tiny_model
+import moe_attrib.collect.collector as collector_module
+from moe_attrib.model.layouts import Kernels
+from moe_attrib.model.layouts.kernels import tiled_segment_mm
+from moe_attrib.model.layouts.routed import route_rows
+from moe_attrib.model.zoo import tiny_model
 
 
 def _brute(left, right, seg, segments):

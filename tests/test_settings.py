@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_attrib.cli import build_parser
+from moe_attrib.app.cli import build_parser
 from moe_attrib.settings import (
     CollectSettings,
     DataSettings,
@@ -128,7 +128,7 @@ def test_index_settings_read_a_manifest_and_store_it_back():
     older manifest lacks mean what they meant then."""
     import json
 
-    from moe_attrib.index import load_index
+    from moe_attrib.indexing.index import load_index
     from moe_attrib.settings import LEGACY_PROJECTION, IndexSettings
 
     legacy = Path(__file__).parent / "data/legacy-index-0.1.0"

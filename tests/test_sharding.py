@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from moe_attrib import attribution, cli
-from moe_attrib.ekfac import load_ekfac
+from moe_attrib.curvature.ekfac import load_ekfac
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.index import load_index
-from moe_attrib.results import read_results
-from moe_attrib.zoo import save_tiny
+from moe_attrib.indexing.index import load_index
+from moe_attrib.model.zoo import save_tiny
+from moe_attrib.scoring.results import read_results
+from moe_attrib.workflows import attribution, cli
 from tests.conftest import run_torchrun
 from tests.fsdp_driver import EKFAC_ARGS
 from tests.test_build import CORPUS, ENV, texts
@@ -86,9 +86,9 @@ def test_fsdp_two_ranks_equal_one_process(sharded_runs, family):
 
 def test_lazy_shard_loading_matches_transformers(tmp_path):
     """A per-expert checkpoint (qwen3_moe saves experts one by one) fused shard by shard, one rank."""
-    from moe_attrib.distributed import Dist
-    from moe_attrib.loading import load_model
-    from moe_attrib.sharding import load_sharded
+    from moe_attrib.model.distributed import Dist
+    from moe_attrib.model.sharding import load_sharded
+    from moe_attrib.workflows.loading import load_model
 
     save_tiny(str(tmp_path), "qwen3_moe", texts())
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free()}", rank=0, world_size=1)
@@ -110,10 +110,10 @@ def test_lazy_shard_loading_matches_transformers(tmp_path):
 def one_rank_sharded(tmp_path):
     """A 3-layer tiny qwen3_moe loaded shard by shard and wrapped by FSDP2 on one gloo rank, a batch, and
     the plain model's per-example gradients of it (projection 8)."""
-    from moe_attrib.collector import per_example_gradients
-    from moe_attrib.distributed import Dist
-    from moe_attrib.loading import load_model
-    from moe_attrib.sharding import load_sharded
+    from moe_attrib.collect.collector import per_example_gradients
+    from moe_attrib.model.distributed import Dist
+    from moe_attrib.model.sharding import load_sharded
+    from moe_attrib.workflows.loading import load_model
 
     save_tiny(str(tmp_path), "qwen3_moe", texts(), num_hidden_layers=3)
     ids = torch.tensor([[1, 5, 6, 7, 8, 9], [4, 3, 9, 8, 2, 6]])
@@ -136,8 +136,8 @@ def test_collection_step_keeps_last_layer_gathered_and_forms_no_weight_gradients
     layer stays gathered (the others were resharded and are gathered again for their backward); after the
     step every layer is resharded and no parameter holds a gradient (collection needs activation gradients
     only: nothing for FSDP2 to reduce-scatter)."""
-    from moe_attrib.collector import per_example_gradients
-    from moe_attrib.sharding import decoder_layers, is_dtensor
+    from moe_attrib.collect.collector import per_example_gradients
+    from moe_attrib.model.sharding import decoder_layers, is_dtensor
 
     with one_rank_sharded(tmp_path) as (sharded, ids, want):
         layers = decoder_layers(sharded)
@@ -175,9 +175,9 @@ def test_memory_plan_follows_the_projection_kind_and_recompute():
     """The plan's routed rows by hand (tiny qwen3_moe: hidden 64, expert width 32, top-2, 2 layers):
     at p=48 the default kind keeps the 32-wide sides exact, v1 projects every side to 48; with
     `recompute` the activations are one layer's plus each layer's input."""
-    from moe_attrib.plan import memory_plan
-    from moe_attrib.projection import PROJECTION_V1
-    from moe_attrib.zoo import tiny_model
+    from moe_attrib.collect.projection import PROJECTION_V1
+    from moe_attrib.model.zoo import tiny_model
+    from moe_attrib.workflows.plan import memory_plan
 
     model = tiny_model("qwen3_moe")
     tokens, p, k, layers = 1000, 48, 2, 2
@@ -193,8 +193,8 @@ def test_memory_plan_follows_the_projection_kind_and_recompute():
 
 
 def test_choose_sharding_by_hand():
-    from moe_attrib.checks import UsageError
-    from moe_attrib.plan import choose_sharding
+    from moe_attrib.workflows.checks import UsageError
+    from moe_attrib.workflows.plan import choose_sharding
 
     assert choose_sharding(80, 100, 1, False, False, "build") == (False, None)  # fits: 80 <= 0.9 x 100
     with pytest.raises(UsageError, match=r"torchrun --nproc_per_node 3 -m moe_attrib build"):
@@ -212,7 +212,7 @@ def test_build_refuses_a_model_larger_than_the_device_before_any_work(tmp_path, 
     no GPU here), before the model is loaded or anything written."""
     from transformers import AutoModelForCausalLM
 
-    from moe_attrib import loading
+    from moe_attrib.workflows import loading
 
     model_dir = tmp_path / "m"
     save_tiny(str(model_dir), "qwen3_moe", texts())
@@ -236,7 +236,7 @@ def test_build_refuses_a_model_larger_than_the_device_before_any_work(tmp_path, 
 def test_recompute_layers_under_fsdp_gives_the_plain_gradients(tmp_path):
     """`--recompute_layers` with `--fsdp` (one gloo rank): the recomputed, sharded layers give the plain
     model's per-example gradients and leave no parameter gradient."""
-    from moe_attrib.collector import per_example_gradients
+    from moe_attrib.collect.collector import per_example_gradients
 
     with one_rank_sharded(tmp_path) as (sharded, ids, want):
         got = per_example_gradients(sharded, ids, projection_dim=8, recompute=True)

@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, 
 
 import moe_attrib as ma
 from moe_attrib.data import DataError, load_examples
-from moe_attrib.ensemble import EnsembleError, plan_run
+from moe_attrib.model.zoo import tiny_model, train_tokenizer
 from moe_attrib.synthetic import multi_domain_corpus, texts
-from moe_attrib.trainer import AttributionCheckpointer, TrainerAttributionError, examples_from_batch
-from moe_attrib.zoo import tiny_model, train_tokenizer
+from moe_attrib.workflows.ensemble import EnsembleError, plan_run
+from moe_attrib.workflows.trainer import AttributionCheckpointer, TrainerAttributionError, examples_from_batch
 from tests.conftest import run_torchrun
 from tests.test_build import ENV
 
@@ -297,7 +297,7 @@ def test_a_stock_language_modeling_collator(corpus):
     after the first carries loss, as `load_examples` makes plain-text rows; a left-padded batch converts alike."""
     from transformers import DataCollatorForLanguageModeling
 
-    from moe_attrib.trainer import examples_from_dataset
+    from moe_attrib.workflows.trainer import examples_from_dataset
 
     _, tokenizer, examples = corpus
     rows = [{"input_ids": ex.input_ids} for ex in examples]

@@ -1,10 +1,10 @@
-"""The tiny models of `moe_attrib.zoo`: every family saves and loads back as the same model."""
+"""The tiny models of `moe_attrib.model.zoo`: every family saves and loads back as the same model."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moe_attrib.zoo import FAMILIES, save_tiny, tiny_model
+from moe_attrib.model.zoo import FAMILIES, save_tiny, tiny_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -9,8 +9,8 @@ from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, Trainin
 
 import moe_attrib as ma
 from moe_attrib.data import load_examples
-from moe_attrib.trainer import trainer_rows
-from moe_attrib.zoo import tiny_model
+from moe_attrib.model.zoo import tiny_model
+from moe_attrib.workflows.trainer import trainer_rows
 
 
 def main(data: str, out: str) -> None:

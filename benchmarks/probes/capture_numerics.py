@@ -2,7 +2,7 @@
 
 A captured forward once differed from the eager one by 0.65-1.3% from the first decoder layer on,
 while SDPA alone was bitwise equal under capture (the cause: transformers' packed-sequence check,
-answered by `moe_attrib.graphs.unpacked_positions`). This compares, eager
+answered by `moe_attrib.collect.graphs.unpacked_positions`). This compares, eager
 against captured (`e2e.capture_graph`: warm-up on a side stream, then capture): the single ops the
 attention block runs (a bf16 `F.linear` of q_proj's shape, the rotary embedding's float32 matmul,
 the RMSNorm formula, SDPA), then every intermediate of decoder layer 0 at 2 x 512 tokens (forward
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from e2e import capture_graph, make_model, rel, token_ids  # noqa: E402
 
-from moe_attrib.graphs import unpacked_positions  # noqa: E402
+from moe_attrib.collect.graphs import unpacked_positions  # noqa: E402
 
 
 def compare(name: str, fn) -> None:

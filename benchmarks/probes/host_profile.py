@@ -33,7 +33,7 @@ def run(mode: str, seconds: float, batch: int, seq_len: int, projection_dim: int
     from e2e import floor_step, frozen, make_model, plain_step, token_ids
 
     import moe_attrib as ma
-    from moe_attrib.collector import GradientCollector
+    from moe_attrib.collect.collector import GradientCollector
 
     model = make_model("qwen3-30b-a3b-shaped")
     ids = token_ids(model, batch, seq_len).cuda()

@@ -27,7 +27,7 @@ from collect_speed import timed  # noqa: E402
 from e2e import floor_step, frozen, make_model, plain_step, token_ids  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.collector import GradientCollector  # noqa: E402
+from moe_attrib.collect.collector import GradientCollector  # noqa: E402
 
 FILTERS = {
     "all": None,

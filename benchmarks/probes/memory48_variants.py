@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from e2e import GiB, build_once, examples_for, make_model  # noqa: E402
 
-from moe_attrib import collector  # noqa: E402
+from moe_attrib.collect import collector  # noqa: E402
 
 VARIANTS = {
     "default": {},

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from e2e import floor_step, frozen, make_model, plain_step, token_ids  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.collector import GradientCollector  # noqa: E402
+from moe_attrib.collect.collector import GradientCollector  # noqa: E402
 
 
 def profiled(fn, steps: int, activity: str, warmup: int = 2):

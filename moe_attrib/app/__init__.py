@@ -1,0 +1,1 @@
+"""The `moe-attrib` command: its parser and printing, the terminal and HTML report, the demo and `info`."""

@@ -1,0 +1,427 @@
+"""Index rows in the EK-FAC eigenbasis, with columns allocated from one model-wide byte budget.
+
+Fitted EK-FAC factors give every block (a dense module, or one expert of an experts projection)
+the eigenbases of its two sides, `Q_rows` and `Q_cols` in the stored orientation, and the
+corrected eigenvalues `Lambda[i, j]` of each direction pair. An eigenbasis index stores, for
+every block, the rotated gradient `Q_rows^T W Q_cols` restricted to a leading `kr x kc`
+rectangle of its directions, each side's directions sorted by the corrected eigenvalue mass they
+carry (`direction_order`). A stored column is then one direction pair (i, j) of one block, and
+EK-FAC preconditioning is an elementwise division by `Lambda[i, j] + damping`
+(`precondition_eigen`): no factor products at query time.
+
+The rows are formed by the collector's `projector=` hook: each side's rows are multiplied by
+`P Q_top` (the factors' seeded sketch `P` for a side wider than the factors' projection dimension,
+the kept eigenvectors `Q_top` of the factor fitted in that space), so nothing wider than the kept
+directions is formed. An experts projection is collected with the widest rectangle of its experts
+and each expert's own rectangle is taken out of it (`EigenPlan.flatten`). A folded bias (EK-FAC's
+default) is part of its weight's block: the rotated bias gradient times the ones row of the input
+side's eigenvectors, as `moe_attrib.curvature.ekfac` rotates it.
+
+The budget (bytes per example, `parse_bytes`) is spent greedily (`allocate`): a block grows by one
+row or one column of directions at a time, whichever adds the most `Lambda / (Lambda + damping)`
+(the share of a direction in the effective dimension of the damped curvature) per stored column.
+The kept eigenvectors are written next to the index (`eigenbasis.safetensors`) so queries are
+collected with the index alone; the factors' fingerprint is recorded in the index settings and
+scoring refuses other factors (`check_factors`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import re
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe_attrib.collect.projection import Projections
+from moe_attrib.curvature.ekfac import EKFAC, Factor
+from moe_attrib.errors import MoeAttribError
+from moe_attrib.indexing.index import INDEX_DTYPES, Block
+from moe_attrib.model.discovery import CoverageReport, iter_entries
+from moe_attrib.settings import DEFAULT_BUDGET
+
+EIGENBASIS = "ekfac-eigen-v1"  # recorded as settings["eigenbasis"]["kind"]
+BASIS_FILE = "eigenbasis.safetensors"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+class EigenbasisError(MoeAttribError, ValueError):
+    """Factors, budget and model that cannot make (or score) an eigenbasis index."""
+
+
+def parse_bytes(text: str | int) -> int:
+    """Bytes from `256KiB`, `1MiB`, `1.5MB`, `65536` (binary and decimal units, case-insensitive)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m and m[2].lower()
+        if not m or unit not in _UNITS:
+            raise EigenbasisError(f"budget {text!r}: give bytes as a number and an optional unit, e.g. 256KiB, 1MiB.")
+        value = int(float(m[1]) * _UNITS[unit])
+    if value <= 0:
+        raise EigenbasisError(f"budget {text!r} must be positive.")
+    return value
+
+
+def budget_columns(budget: int, index_dtype: str) -> int:
+    """Columns per example a budget of `budget` bytes buys in the storage dtype."""
+    if index_dtype not in DTYPE_BYTES:
+        raise EigenbasisError(f"index_dtype must be one of {', '.join(INDEX_DTYPES)}, not {index_dtype!r}.")
+    return budget // DTYPE_BYTES[index_dtype]
+
+
+# derived values of a factor (fingerprint, direction orders), computed once per corrected-eigenvalue tensor:
+# id(tensor) -> (weak reference to it, {key: value}); an entry whose tensor is gone is replaced
+_DERIVED: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _derived(lam: torch.Tensor, key: str, make):
+    ident = id(lam)
+    held = _DERIVED.get(ident)
+    if held is None or held[0]() is not lam:
+        held = _DERIVED[ident] = (weakref.ref(lam, lambda _: _DERIVED.pop(ident, None)), {})
+    cache = held[1]
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def direction_order(f: Factor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row and column eigen-directions (stored orientation) of a factor, most corrected-eigenvalue
+    mass first: `[(E,) rows]`, `[(E,) cols]` int64 on the CPU (a stable sort: the same factors give the
+    same order at build and at query time)."""
+
+    def make():
+        lam = f.lam.detach().double().cpu()
+        rows = torch.argsort(lam.sum(-1), dim=-1, descending=True, stable=True)
+        cols = torch.argsort(lam.sum(-2), dim=-1, descending=True, stable=True)
+        return rows, cols
+
+    return _derived(f.lam, "order", make)
+
+
+def factors_fingerprint(ekfac: EKFAC) -> str:
+    """sha256 of every factor's name, bias folding and corrected eigenvalues (float64): what the
+    eigen-directions and their order are derived from. Damping is not part of it (re-damping is allowed)."""
+    h = hashlib.sha256()
+    for name in sorted(ekfac.factors):
+        f = ekfac.factors[name]
+        lam = f.lam.detach().double().cpu().contiguous()
+        h.update(f"{name}:{f.bias}:{tuple(lam.shape)};".encode())
+        h.update(_derived(f.lam, "bytes-hash", lambda lam=lam: hashlib.sha256(lam.numpy().tobytes()).digest()))
+    return h.hexdigest()
+
+
+def _sorted(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """`t[..., rows[:, None], cols[None, :]]` for one block (2-D `t`)."""
+    return t[rows][:, cols]
+
+
+def allocate(weights: list[torch.Tensor], columns: int) -> list[tuple[int, int]]:
+    """Rectangles `(kr, kc)` of leading directions for blocks whose direction weights (rows and
+    columns sorted, most first) are `weights[b]` `[R, C]`, at most `columns` cells in all.
+
+    Greedy: a block opens with its (0, 0) direction; an open block grows by its next row (kc new
+    cells) or next column (kr new cells); each step takes the move of highest weight per cell that
+    still fits. Ties go to the earlier block, so the allocation is deterministic.
+    """
+    shapes = [[0, 0] for _ in weights]
+    left = columns
+    heap: list[tuple[float, int, int, int]] = []  # (-gain per cell, block, move, version)
+    version = [0] * len(weights)
+
+    def best(b: int) -> tuple[float, int, int] | None:
+        """(gain per cell, move, cost) of block b's best move that fits: 0 open, 1 row, 2 column."""
+        w, (kr, kc) = weights[b], shapes[b]
+        if kr == 0:
+            return (float(w[0, 0]), 0, 1) if w.numel() and left >= 1 else None
+        moves = []
+        if kr < w.shape[0] and kc <= left:
+            moves.append((float(w[kr, :kc].sum()) / kc, 1, kc))
+        if kc < w.shape[1] and kr <= left:
+            moves.append((float(w[:kr, kc].sum()) / kr, 2, kr))
+        return max(moves, key=lambda m: (m[0], -m[1])) if moves else None
+
+    for b in range(len(weights)):
+        move = best(b)
+        if move is not None:
+            heapq.heappush(heap, (-move[0], b, move[1], version[b]))
+    while heap and left > 0:
+        _, b, move, ver = heapq.heappop(heap)
+        if ver != version[b]:
+            continue
+        kr, kc = shapes[b]
+        cost = 1 if move == 0 else kc if move == 1 else kr
+        if cost > left:  # the budget shrank since it was pushed: look again
+            version[b] += 1
+            again = best(b)
+            if again is not None:
+                heapq.heappush(heap, (-again[0], b, again[1], version[b]))
+            continue
+        shapes[b] = [1, 1] if move == 0 else [kr + 1, kc] if move == 1 else [kr, kc + 1]
+        left -= cost
+        version[b] += 1
+        move_next = best(b)
+        if move_next is not None:
+            heapq.heappush(heap, (-move_next[0], b, move_next[1], version[b]))
+    return [(kr, kc) for kr, kc in shapes]
+
+
+@dataclass
+class EigenTarget:
+    """One factor's part of an eigenbasis index: kept eigenvectors of each side and each block's rectangle.
+
+    `basis_in` `[(E,) a, K_in]` (a includes the folded bias's ones row) and `basis_out` `[(E,) g, K_out]`
+    are the kept eigenvectors in the factors' (sketched) space, most mass first; `shapes[e]` is block
+    e's `(kr, kc)` in the stored orientation (an expert with `(0, 0)` stores nothing)."""
+
+    block: str  # factor name: `<module>` or `<experts>.<proj>`
+    names: list[str]  # block names, one per expert (or one)
+    transposed: bool
+    bias: bool
+    shapes: list[tuple[int, int]]
+    basis_in: torch.Tensor
+    basis_out: torch.Tensor
+
+    @property
+    def experts(self) -> bool:
+        return self.basis_in.dim() == 3
+
+    @property
+    def widths(self) -> tuple[int, int]:
+        """Collected rectangle `(K_rows, K_cols)`: the widest of the blocks' rectangles."""
+        k_in, k_out = self.basis_in.shape[-1], self.basis_out.shape[-1]
+        return (k_in, k_out) if self.transposed else (k_out, k_in)
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """Positions of the stored columns in the flattened collected rectangles `[(E,) K_rows, K_cols]`."""
+        kr_max, kc_max = self.widths
+        parts = []
+        for e, (kr, kc) in enumerate(self.shapes):
+            r = torch.arange(kr, device=device)[:, None] * kc_max + torch.arange(kc, device=device)[None, :]
+            parts.append(r.reshape(-1) + e * kr_max * kc_max)
+        return torch.cat(parts)
+
+
+class EigenPlan:
+    """The eigenbasis column plan of an index: targets in plan order, blocks, the collector's projector
+    and the rows' flattening. Built from factors (`plan_eigenbasis`) or read from an index (`load_plan`)."""
+
+    def __init__(self, targets: list[EigenTarget], sketch_dim: int | None, seed: int, projection: str):
+        self.targets = targets
+        self.sketch_dim = sketch_dim
+        self.seed = seed
+        self.projection = projection
+        self._by_block = {t.block: t for t in targets}
+        self._mats: dict[tuple, torch.Tensor] = {}
+        self._take: dict[tuple, torch.Tensor] = {}
+        self._ones: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def blocks(self) -> list[Block]:
+        """Index blocks: one per block with columns, `(kr, kc)` in the stored orientation."""
+        out, col = [], 0
+        for t in self.targets:
+            for name, (kr, kc) in zip(t.names, t.shapes, strict=True):
+                if kr * kc:
+                    out.append(Block(name, col, col + kr * kc, (kr, kc)))
+                    col += kr * kc
+        return out
+
+    @property
+    def dim(self) -> int:
+        return sum(kr * kc for t in self.targets for kr, kc in t.shapes)
+
+    def projector(self, name: str, side: str, features: int, like: torch.Tensor, batch: int | None):
+        """The collector's `projector=`: `[(E,) features, K]` = sketch `P` (when the factors sketched this
+        side) times the kept eigenvectors (the folded bias's ones row left out: it enters through `flatten`)."""
+        key = (name, side, like.device, like.dtype)
+        mat = self._mats.get(key)
+        if mat is None:
+            t = self._by_block.get(name)
+            if t is None:
+                raise EigenbasisError(f"internal: no eigenbasis for target {name}")
+            q = (t.basis_in if side == "in" else t.basis_out).to(like.device, torch.float32)
+            if side == "in" and t.bias:
+                q = q[..., :-1, :]
+            if self.sketch_dim:
+                sketch = Projections(self.sketch_dim, self.seed, like.device, torch.float32, self.projection)
+                p = sketch.get(name, side, features, batch)
+                if p is not None:
+                    q = p @ q
+            if q.shape[-2] != features:
+                raise EigenbasisError(
+                    f"{name} ({side} side) has {features} features but its eigenbasis {q.shape[-2]}: the factors "
+                    "were fitted on another model or with other settings."
+                )
+            mat = self._mats[key] = q.to(like.dtype).contiguous()
+        return mat
+
+    def flatten(self, grads: dict, attribute_tokens: bool = False) -> torch.Tensor:
+        """float32 rows `[N, dim]` (`[N, S, dim]` per token) in plan order from a fused `collect` result
+        made with `projector`: each block's rectangle, a folded bias added as its weight's extra input
+        direction; targets that received no gradient (`grads.missing`) give zeros."""
+        lead = 2 if attribute_tokens else 1
+        missing = getattr(grads, "missing", frozenset())
+        parts = []
+        for t in self.targets:
+            value = grads[f"{t.block}.weight"]
+            device, shape = value.device, value.shape[:lead]
+            tkey = (t.block, device)
+            if tkey not in self._take:
+                self._take[tkey] = t.take(device)
+            take = self._take[tkey]
+            if t.block in missing:
+                parts.append(torch.zeros(*shape, take.numel(), device=device))
+                continue
+            value = value.float()
+            if t.bias:
+                okey = (t.block, device)
+                if okey not in self._ones:
+                    self._ones[okey] = t.basis_in[..., -1, :].to(device, torch.float32)
+                ones, bias = self._ones[okey], grads[f"{t.block}.bias"].float()
+                value = value + (
+                    ones.unsqueeze(-1) * bias.unsqueeze(-2) if t.transposed else bias.unsqueeze(-1) * ones.unsqueeze(-2)
+                )
+            parts.append(value.reshape(*shape, -1).index_select(-1, take))
+        return torch.cat(parts, dim=-1)
+
+    def save(self, directory: str | Path) -> None:
+        """Write the kept eigenvectors to `directory/eigenbasis.safetensors`."""
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for t in self.targets:
+            tensors[f"{t.block}::in"] = t.basis_in.contiguous().cpu()
+            tensors[f"{t.block}::out"] = t.basis_out.contiguous().cpu()
+        save_file(tensors, str(Path(directory) / BASIS_FILE))
+
+    def settings(self, budget: int, fingerprint: str) -> dict:
+        """What the index settings record (`settings["eigenbasis"]`)."""
+        return {
+            "kind": EIGENBASIS,
+            "budget_bytes": budget,
+            "factors_fingerprint": fingerprint,
+            "targets": {t.block: [t.transposed, t.bias, [list(s) for s in t.shapes]] for t in self.targets},
+        }
+
+
+def weights_of(f: Factor) -> list[torch.Tensor]:
+    """Per block (expert), `Lambda / (Lambda + damping)` with rows and columns sorted by `direction_order`."""
+    rows, cols = direction_order(f)
+    lam = f.lam.detach().double().cpu()
+    damp = f.damping.detach().double().cpu()
+    if lam.dim() == 2:
+        return [_sorted(lam / (lam + damp), rows, cols)]
+    return [_sorted(lam[e] / (lam[e] + damp[e]), rows[e], cols[e]) for e in range(lam.shape[0])]
+
+
+def plan_eigenbasis(
+    report: CoverageReport, ekfac: EKFAC, budget: int | str = DEFAULT_BUDGET, index_dtype: str = "float32"
+) -> EigenPlan:
+    """The eigenbasis plan for the tracked modules of `report` under `budget` bytes per example.
+
+    Every weight needs a factor (an experts projection one per layer, with its experts' slices) and
+    every bias a factor that folds it in (`fit_ekfac(fold_bias=True)`, the default); anything else is
+    an `EigenbasisError` naming the module, before any work.
+    """
+    columns = budget_columns(parse_bytes(budget), index_dtype)
+    if ekfac.factors and any(f.lam is None or f.damping is None for f in ekfac.factors.values()):
+        raise EigenbasisError("the EK-FAC factors have no corrected eigenvalues or damping: fit them to the end.")
+    found: list[tuple[str, list[str], Factor]] = []
+    for e in iter_entries(report.targets):
+        f = ekfac.factors.get(e.block)
+        if e.kind == "bias":
+            if f is not None and not f.bias:
+                raise EigenbasisError(
+                    f"{e.key}: the factors leave this bias out of its weight's (fitted with --no_fold_bias); an "
+                    "eigenbasis index needs folded biases: fit them again without --no_fold_bias."
+                )
+            continue
+        if f is None:
+            raise EigenbasisError(
+                f"no EK-FAC factor for {e.key}: fit the factors with the modules the index tracks "
+                "(the same --track_moe_experts and --filter_modules)."
+            )
+        lay = e.layout
+        if lay is not None and not f.experts:
+            raise EigenbasisError(f"{e.block}: the factors do not keep its experts apart; fit them again.")
+        names = [f"{lay.expert_name(i, e.proj)}.weight" for i in range(lay.num_experts)] if lay else [e.key]
+        found.append((e.block, names, f))
+    weights = [w for _, _, f in found for w in weights_of(f)]
+    shapes = allocate(weights, columns)
+    targets, at = [], 0
+    for block, names, f in found:
+        mine = shapes[at : at + len(names)]
+        at += len(names)
+        kr_max, kc_max = max(max(s[0] for s in mine), 1), max(max(s[1] for s in mine), 1)
+        rows, cols = direction_order(f)
+        k_in, k_out = (kr_max, kc_max) if f.transposed else (kc_max, kr_max)
+        order_in, order_out = (rows, cols) if f.transposed else (cols, rows)
+        q_in = torch.gather(f.QA.detach().cpu(), -1, _expand(order_in[..., :k_in], f.QA))
+        q_out = torch.gather(f.QG.detach().cpu(), -1, _expand(order_out[..., :k_out], f.QG))
+        targets.append(EigenTarget(block, names, f.transposed, f.bias, mine, q_in, q_out))
+    return EigenPlan(targets, ekfac.projection_dim, ekfac.seed, ekfac.projection)
+
+
+def _expand(order: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Column indices `[(E,) k]` expanded over the rows of `q` `[(E,) n, n]`."""
+    return order.unsqueeze(-2).expand(*q.shape[:-1], order.shape[-1])
+
+
+def load_plan(directory: str | Path, settings: dict) -> EigenPlan:
+    """The plan of the eigenbasis index at `directory` (its `eigenbasis.safetensors` and settings)."""
+    from safetensors.torch import load_file
+
+    info = settings["eigenbasis"]
+    if info.get("kind") != EIGENBASIS:
+        raise EigenbasisError(f"{directory}: unknown eigenbasis kind {info.get('kind')!r}; upgrade moe-attrib.")
+    try:
+        tensors = load_file(str(Path(directory) / BASIS_FILE))
+    except OSError as err:
+        raise EigenbasisError(f"{directory}: the eigenbasis index has no readable {BASIS_FILE} ({err}).") from err
+    targets = []
+    for block, (transposed, bias, shapes) in info["targets"].items():
+        q_in, q_out = tensors[f"{block}::in"], tensors[f"{block}::out"]
+        targets.append(EigenTarget(block, [], transposed, bias, [tuple(s) for s in shapes], q_in, q_out))
+    return EigenPlan(targets, settings["projection_dim"], settings["seed"], settings["projection"])
+
+
+def with_names(plan: EigenPlan, report: CoverageReport) -> EigenPlan:
+    """The plan's block names from the model's tracked modules (names are not stored with the basis)."""
+    names = {}
+    for e in iter_entries(report.targets):
+        lay = e.layout
+        if e.kind == "weight":
+            names[e.block] = (
+                [f"{lay.expert_name(i, e.proj)}.weight" for i in range(lay.num_experts)] if lay else [e.key]
+            )
+    for t in plan.targets:
+        if t.block not in names:
+            raise EigenbasisError(f"the model has no tracked module {t.block} of the eigenbasis index.")
+        t.names = names[t.block]
+    return plan
+
+
+def check_factors(settings: dict, ekfac: EKFAC, where: str = "the index") -> None:
+    """Refuse factors other than those an eigenbasis index was built with (their fingerprint)."""
+    want = settings["eigenbasis"]["factors_fingerprint"]
+    got = factors_fingerprint(ekfac)
+    if got != want:
+        raise EigenbasisError(
+            f"these EK-FAC factors (fingerprint {got[:12]}) are not the ones {where} was built with ({want[:12]}): "
+            "score an eigenbasis index with the --ekfac it was built with."
+        )
+
+
+def index_plan(path: str | Path, settings: dict, report: CoverageReport) -> EigenPlan | None:
+    """The eigenbasis plan of the index at `path` with its settings, block names from `report`; None for
+    an index of seeded projections."""
+    if not settings.get("eigenbasis"):
+        return None
+    return with_names(load_plan(path, settings), report)
