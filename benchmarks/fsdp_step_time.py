@@ -31,12 +31,12 @@ import torch
 
 from moe_attrib.collect.collector import make_collector
 from moe_attrib.data import Example
-from moe_attrib.indexing.build import build_index
 from moe_attrib.indexing.index import load_index
 from moe_attrib.model.discovery import discover
 from moe_attrib.model.distributed import Dist, setup, teardown
 from moe_attrib.model.sharding import load_sharded
 from moe_attrib.model.zoo import tiny_model
+from moe_attrib.workflows.build import build_index
 from moe_attrib.workflows.loading import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))

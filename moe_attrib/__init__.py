@@ -19,7 +19,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from moe_attrib.curvature.ekfac import EKFAC, fit_ekfac, load_ekfac
     from moe_attrib.curvature.ihvp import RefinedQueries, RefineError, refine_queries
     from moe_attrib.data import DataError, Example, load_examples
-    from moe_attrib.indexing.build import build_index
     from moe_attrib.indexing.index import Index, IndexFileError, load_index
     from moe_attrib.model.discovery import CoverageReport, discover
     from moe_attrib.model.experts import ExpertLinear, LayoutError, expand_moe, restore_moe, track_moe_experts
@@ -50,6 +49,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         fit_from_files,
         score_queries,
     )
+    from moe_attrib.workflows.build import build_index
     from moe_attrib.workflows.ensemble import EnsembleError, RunScores, score_run
     from moe_attrib.workflows.trainer import AttributionCallback, AttributionCheckpointer
 
@@ -111,7 +111,7 @@ __all__ = [
 
 _MODULES = {  # module: the public names it gives
     "moe_attrib.scoring.balance": "Balance fit_balance",
-    "moe_attrib.indexing.build": "build_index",
+    "moe_attrib.workflows.build": "build_index",
     "moe_attrib.collect.collector": "GradientCollector PerExampleGradients per_example_gradients",
     "moe_attrib.scoring.coupling": "Coupling fit_coupling",
     "moe_attrib.data": "DataError Example load_examples",

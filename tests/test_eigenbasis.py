@@ -13,10 +13,10 @@ from moe_attrib.curvature.eigenbasis import allocate, direction_order, factors_f
 from moe_attrib.curvature.ekfac import fit_ekfac
 from moe_attrib.curvature.precondition import EXPERT_BLOCK, ScoreError, precondition_queries
 from moe_attrib.data import collate
-from moe_attrib.indexing.build import build_index
 from moe_attrib.indexing.index import load_index
 from moe_attrib.model.zoo import tiny_model
 from moe_attrib.scoring.score import query_gradients, score
+from moe_attrib.workflows.build import build_index
 from tests.conftest import rel_err
 from tests.test_ekfac import examples
 

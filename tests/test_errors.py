@@ -15,7 +15,7 @@ from moe_attrib.errors import MoeAttribError, error_text, exit_code
 
 # Every error class at 3911cc1 with the builtin (or project) base it had then; callers that catch those keep working.
 RECORDED = {
-    "moe_attrib.indexing.build.NonFiniteGradientError": ValueError,
+    "moe_attrib.workflows.build.NonFiniteGradientError": ValueError,
     "moe_attrib.workflows.checks.UsageError": ValueError,
     "moe_attrib.data.DataError": ValueError,
     "moe_attrib.app.demo.DemoError": ValueError,

@@ -217,7 +217,7 @@ def test_cuda_recompute_same_rows_less_memory():
 
 def test_cuda_fused_head_equals_eager_head(padded_batch, monkeypatch):
     """bf16 on the GPU: the output layer fused with the loss, 5 rows a chunk, against the eager loss."""
-    import moe_attrib.model.head as head
+    import moe_attrib.collect.head as head
 
     ids, mask = (t.cuda() for t in padded_batch)
     model = tiny_model("qwen3_moe", dtype=torch.bfloat16, vocab_size=4096).cuda()

@@ -51,7 +51,7 @@ def test_graphed_collector_refuses_what_it_cannot_replay():
 def test_build_index_refuses_cuda_graphs_it_cannot_run(tmp_path):
     """Before any work: no CUDA device, or recompute (Python per layer); nothing is written."""
     from moe_attrib.data import Example
-    from moe_attrib.indexing.build import check_graphable
+    from moe_attrib.workflows.build import check_graphable
 
     model = tiny_model("qwen3_moe")
     examples = [Example(i, list(range(3, 11))) for i in range(4)]

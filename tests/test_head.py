@@ -1,10 +1,10 @@
-"""The fused output layer (`moe_attrib.model.head`) against per-sample autograd and the eager loss."""
+"""The fused output layer (`moe_attrib.collect.head`) against per-sample autograd and the eager loss."""
 
 import pytest
 import torch
 
 import moe_attrib as ma
-import moe_attrib.model.head as head
+import moe_attrib.collect.head as head
 from moe_attrib.collect.collector import GradientCollector
 from moe_attrib.model.zoo import FAMILIES, tiny_model
 from tests.conftest import rel_err

@@ -12,11 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moe_attrib.curvature.ekfac import fit_ekfac
 from moe_attrib.data import load_examples
-from moe_attrib.indexing.build import build_index
 from moe_attrib.indexing.index import load_index
 from moe_attrib.scoring.details import query_expert_counts, token_scores
 from moe_attrib.scoring.results import ResultsError, read_results, score_records, write_results
 from moe_attrib.scoring.score import query_gradients, score
+from moe_attrib.workflows.build import build_index
 from tests.test_build import ENV, texts
 from tests.test_build import model_dir as model_dir  # noqa: F401  (fixture)
 

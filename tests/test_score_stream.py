@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from moe_attrib.data import load_examples
 from moe_attrib.indexing import stream
-from moe_attrib.indexing.build import build_index
 from moe_attrib.indexing.index import IndexDtypeError, IndexFileError, IndexWriter, load_index
 from moe_attrib.indexing.stream import stream_rows
 from moe_attrib.scoring.score import prepare_queries, query_gradients, score, score_matrix
+from moe_attrib.workflows.build import build_index
 from tests.conftest import assert_top_rows
 from tests.test_build import CORPUS, ENV, model_dir  # noqa: F401  (fixture)
 

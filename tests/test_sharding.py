@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from moe_attrib.app import cli
 from moe_attrib.curvature.ekfac import load_ekfac
 from moe_attrib.fingerprint import model_fingerprint
 from moe_attrib.indexing.index import load_index
 from moe_attrib.model.zoo import save_tiny
 from moe_attrib.scoring.results import read_results
-from moe_attrib.workflows import attribution, cli
+from moe_attrib.workflows import attribution
 from tests.conftest import run_torchrun
 from tests.fsdp_driver import EKFAC_ARGS
 from tests.test_build import CORPUS, ENV, texts

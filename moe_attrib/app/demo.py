@@ -122,10 +122,10 @@ def run_demo(
     files the demo writes (`OUTPUTS`)."""
     from moe_attrib.curvature.ekfac import fit_ekfac
     from moe_attrib.data import load_examples
-    from moe_attrib.indexing.build import build_index
     from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM, load_index, part_dir, remove_index
     from moe_attrib.model.zoo import tiny_model, train_tokenizer
     from moe_attrib.scoring.score import DEFAULT_UNIT_NORMALIZE, group_parts, query_gradients, score
+    from moe_attrib.workflows.build import build_index
 
     start = time.perf_counter()
     p = projection_dim or DEFAULT_PROJECTION_DIM

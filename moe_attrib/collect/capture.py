@@ -306,7 +306,7 @@ class Capture:
 
     def dense_record(self, target: Target, x: torch.Tensor, transposed: bool = False) -> CaptureRecord:
         """Record a dense target's input rows `x` (`[..., in]`, projected as one 2D matmul, then split
-        into examples); its `g` is set by the caller (a hook, or `moe_attrib.model.head`) from `out_rows`."""
+        into examples); its `g` is set by the caller (a hook, or `moe_attrib.collect.head`) from `out_rows`."""
         x = x.detach().reshape(-1, x.shape[-1])
         p_in = self._project(target.name, "in", x.shape[-1], x)
         x = self._per_example(self.kernels.matmul_fp32(x, p_in) if p_in is not None else x.float())

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_attrib.collect.capture import BatchInfo, Capture, CaptureRecord
+from moe_attrib.collect.head import FusedHead
 from moe_attrib.collect.projection import PROJECTION, Projections, side_width
 from moe_attrib.model import norms
 from moe_attrib.model.discovery import CoverageReport, discover, iter_entries
-from moe_attrib.model.head import FusedHead
 from moe_attrib.model.layouts import Kernels, is_out_of_memory
 from moe_attrib.model.recompute import recompute_layers
 
@@ -237,7 +237,7 @@ class GradientCollector:
         shape of a block that received no gradient (zeros) when a `projector` is given.
         `recompute=True` keeps only each decoder layer's inputs and runs its forward again in the
         backward (`moe_attrib.model.recompute`): the same rows for far less activation memory, one more forward.
-        `fused_head=True` computes the output layer with the loss in row chunks (`moe_attrib.model.head`)
+        `fused_head=True` computes the output layer with the loss in row chunks (`moe_attrib.collect.head`)
         once the model's first collection has shown its output layer to be a plain one: the same
         losses and gradients without the `[tokens, vocab]` tensors of the eager loss. `fused_norms=True`
         gives the decoder's RMSNorms a one-pass backward that keeps only their input (`moe_attrib.model.norms`;

@@ -26,7 +26,6 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -35,8 +34,6 @@ from moe_attrib.collect.collector import GradientCollector, PerExampleGradients
 from moe_attrib.collect.graphs import GraphedCollector, graphed_shapes
 from moe_attrib.collect.prefetch import batch_inputs, prefetch, to_device
 from moe_attrib.data import Example
-from moe_attrib.indexing.index import Block, flatten_rows
-from moe_attrib.model.discovery import CoverageReport
 from moe_attrib.model.distributed import Dist
 
 
@@ -145,24 +142,3 @@ class CollectionLoop:
                     bar.set_postfix(tok_s=f"{bar.n / max(time.perf_counter() - start, 1e-9):,.0f}")
         bar.close()
         self.step = None
-
-
-class FlattensRows(Protocol):
-    """A column plan that forms its own rows (`eigenbasis.EigenPlan`)."""
-
-    def flatten(self, grads: dict, attribute_tokens: bool = False) -> torch.Tensor: ...
-
-
-def rows_of(
-    grads: PerExampleGradients,
-    report: CoverageReport,
-    blocks: list[Block],
-    expert_blocks: str,
-    attribute_tokens: bool,
-    plan: FlattensRows | None,
-) -> torch.Tensor:
-    """A batch's float32 rows in an index's column layout, on the batch's device: the seeded projections'
-    blocks (`index.flatten_rows`), or an eigenbasis plan's (`EigenPlan.flatten`)."""
-    if plan is not None:
-        return plan.flatten(grads, attribute_tokens=attribute_tokens)
-    return flatten_rows(grads, report, blocks, expert_blocks, attribute_tokens=attribute_tokens)

@@ -20,8 +20,12 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 from moe_attrib.collect.projection import PROJECTION, side_width
 from moe_attrib.errors import MoeAttribError
@@ -156,6 +160,27 @@ def flatten_rows(
     if rows.shape[-1] != blocks[-1].stop:
         raise IndexFileError(f"internal: batch has {rows.shape[-1]} columns, the plan {blocks[-1].stop}")
     return rows
+
+
+class FlattensRows(Protocol):
+    """A column plan that forms its own rows (`eigenbasis.EigenPlan`)."""
+
+    def flatten(self, grads: dict, attribute_tokens: bool = False) -> torch.Tensor: ...
+
+
+def rows_of(
+    grads: dict,
+    report: CoverageReport,
+    blocks: list[Block],
+    expert_blocks: str,
+    attribute_tokens: bool,
+    plan: FlattensRows | None,
+) -> torch.Tensor:
+    """A batch's float32 rows in an index's column layout, on the batch's device: the seeded projections'
+    blocks (`flatten_rows`), or an eigenbasis plan's (`EigenPlan.flatten`)."""
+    if plan is not None:
+        return plan.flatten(grads, attribute_tokens=attribute_tokens)
+    return flatten_rows(grads, report, blocks, expert_blocks, attribute_tokens=attribute_tokens)
 
 
 def flatten_batch(

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from moe_attrib.collect.collector import GradientCollector, make_collector
-from moe_attrib.collect.loop import CollectionLoop, Step, rows_of
+from moe_attrib.collect.loop import CollectionLoop, Step
 from moe_attrib.collect.projection import projection_kind
 from moe_attrib.curvature.eigenbasis import index_plan
 from moe_attrib.curvature.ekfac import EKFAC
@@ -34,7 +34,7 @@ from moe_attrib.curvature.precondition import (
 )
 from moe_attrib.data import Example, token_batches
 from moe_attrib.fingerprint import check_model, check_settings_match
-from moe_attrib.indexing.index import Block, Index, column_plan
+from moe_attrib.indexing.index import Block, Index, column_plan, rows_of
 from moe_attrib.indexing.stream import DEFAULT_READER, ToHost, stream_rows
 from moe_attrib.model.discovery import discover
 from moe_attrib.model.distributed import Dist

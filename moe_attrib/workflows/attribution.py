@@ -1,7 +1,7 @@
 """The three steps from files, one Python call each: what `moe-attrib build`, `ekfac` and `score` run.
 
 `build_from_files` and `fit_from_files` read the model and the data (checked before any compute),
-decide whether the model must be sharded, and build an index (`moe_attrib.indexing.build.build_index`) or fit
+decide whether the model must be sharded, and build an index (`moe_attrib.workflows.build.build_index`) or fit
 EK-FAC factors (`moe_attrib.curvature.ekfac.fit_ekfac`), recording how the data were read so that `score` reads
 the same rows again. `score_queries` loads the index, the model and the queries, checks them against
 each other, takes the queries' gradients, re-damps the factors if asked, fits the cross-module coupling
@@ -86,8 +86,8 @@ def build_from_files(
     not fit one device is sharded without it. `resume` continues an interrupted build in `INDEX.part`,
     `overwrite` replaces an existing index. Everything is checked before any compute. `log` receives
     the sharding decision and plan, e.g. `print`."""
-    from moe_attrib.indexing.build import build_index
     from moe_attrib.indexing.index import check_index_target
+    from moe_attrib.workflows.build import build_index
 
     st = settings or CollectSettings()
     say = log or (lambda line: None)
@@ -98,7 +98,7 @@ def build_from_files(
     factors, st = eigenbasis_factors(ekfac, st)
     dist = placed(model, precision, device, fsdp, "build", say)
     if st.cuda_graphs:
-        from moe_attrib.indexing.build import check_graphable
+        from moe_attrib.workflows.build import check_graphable
 
         with as_usage_error():
             check_graphable(dist.device, st.recompute, dist.fsdp)

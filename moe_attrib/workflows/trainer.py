@@ -38,10 +38,10 @@ from moe_attrib.curvature.ekfac import DEFAULT_DAMPING, DEFAULT_DAMPING_SCOPE, f
 from moe_attrib.data import SCALARS, DataError, Example, check_token_ids, fingerprint
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import tokenizer_fingerprint
-from moe_attrib.indexing.build import build_index
 from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM
 from moe_attrib.model.distributed import Dist
 from moe_attrib.model.sharding import is_sharded
+from moe_attrib.workflows.build import build_index
 
 ATTRIBUTION = "attribution"  # inside each checkpoint directory
 INDEX = "index"

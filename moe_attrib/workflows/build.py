@@ -19,7 +19,7 @@ from torch import nn
 
 from moe_attrib.collect.collector import GradientCollector, make_collector
 from moe_attrib.collect.graphs import check_graphable, graphs_unavailable
-from moe_attrib.collect.loop import CollectionLoop, Progress, Step, rows_of
+from moe_attrib.collect.loop import CollectionLoop, Progress, Step
 from moe_attrib.collect.prefetch import BackgroundWriter, HostCopy
 from moe_attrib.collect.projection import check_kind
 from moe_attrib.curvature.eigenbasis import DEFAULT_BUDGET, factors_fingerprint, parse_bytes, plan_eigenbasis
@@ -27,7 +27,7 @@ from moe_attrib.curvature.ekfac import EKFAC
 from moe_attrib.data import Example, fingerprint, token_batches
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import model_fingerprint
-from moe_attrib.indexing.index import FORMAT_VERSION, IndexWriter, column_plan, part_dir
+from moe_attrib.indexing.index import FORMAT_VERSION, IndexWriter, column_plan, part_dir, rows_of
 from moe_attrib.model.discovery import discover
 from moe_attrib.model.distributed import Dist
 from moe_attrib.model.sharding import is_sharded
