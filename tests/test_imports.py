@@ -85,3 +85,21 @@ def test_module_and_script_entry_run_main():
     assert entry and entry.groups() == ("moe_attrib.app.cli", "main")
     res = python("import sys; from moe_attrib.app.cli import main; sys.argv = ['moe-attrib', '--version']; main()")
     assert res.returncode == 0 and moe_attrib.__version__ in res.stdout, res.stderr
+
+
+def test_help_loads_no_torch():
+    """`moe-attrib --help` and a command's `--help` are built from `moe_attrib.settings` alone: no torch, numpy
+    or transformers, and only a handful of the package's modules."""
+    res = python(
+        "import contextlib, io, sys\n"
+        "from moe_attrib.app.cli import main\n"
+        "for argv in (['--help'], ['build', '--help'], ['ekfac', '--help'], ['score', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main(argv)\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))\n"
+        "print(len([m for m in sys.modules if m.startswith('moe_attrib')]))"
+    )
+    assert res.returncode == 0, res.stderr
+    heavy, count = res.stdout.split("\n")[:2]
+    assert heavy == "[]"
+    assert int(count) <= 8

@@ -10,11 +10,8 @@ import shlex
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-from moe_attrib.model.distributed import teardown
 from moe_attrib.settings import (
     DEFAULT_PROJECTION_DIM,
     PRECISIONS,
@@ -25,16 +22,12 @@ from moe_attrib.settings import (
     RefineSettings,
     ScoreSettings,
     add_flags,
-)
-from moe_attrib.workflows.checks import (
-    UsageError,
-    check_device,
-    check_model_spec,
-    check_out_dir,
     nonnegative_int,
     positive_int,
 )
-from moe_attrib.workflows.loading import load_model, load_tokenizer, resolve_precision
+
+if TYPE_CHECKING:
+    import torch
 
 
 @contextlib.contextmanager
@@ -59,6 +52,8 @@ def notes():
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from moe_attrib.model.discovery import discover
 
     model = inspected_model(args.model, args.precision)
@@ -93,6 +88,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def inspected_model(spec: str, precision: str) -> torch.nn.Module:
     """The model `inspect` reports on: a directory holding a `config.json` but no weights is built on
     the meta device (shapes only, nothing allocated), so a model can be planned before it is downloaded."""
+    import torch
+
+    from moe_attrib.workflows.loading import load_model, resolve_precision
+
     path = Path(spec)
     weights = ("*.safetensors", "*.bin", "*.pt", "*.pth")
     if path.is_dir() and (path / "config.json").exists() and not any(any(path.glob(w)) for w in weights):
@@ -143,11 +142,15 @@ def say(line: str) -> None:
 
 def is_main_process() -> bool:
     """Rank 0 of a torchrun launch, or the only process."""
+    import torch
+
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def check_projection_flags(args: argparse.Namespace) -> None:
     """`--projection_dim` and `--no_projection` together contradict each other."""
+    from moe_attrib.workflows.checks import UsageError
+
     if args.no_projection and args.projection_dim is not None:
         raise UsageError(
             f"--projection_dim {args.projection_dim} and --no_projection contradict each other; pass one of them."
@@ -156,6 +159,8 @@ def check_projection_flags(args: argparse.Namespace) -> None:
 
 def index_projection(args: argparse.Namespace):
     """`ekfac --index DIR`: the index whose projection settings the factors must share (or None)."""
+    from moe_attrib.workflows.checks import UsageError
+
     if not args.index:
         return None
     from moe_attrib.collect.projection import projection_kind
@@ -199,6 +204,7 @@ def index_projection(args: argparse.Namespace):
 def cmd_ekfac(args: argparse.Namespace) -> int:
     from moe_attrib.collect.projection import PROJECTION
     from moe_attrib.workflows.attribution import fit_from_files
+    from moe_attrib.workflows.checks import check_device, check_model_spec, check_out_dir
 
     check_projection_flags(args)
     check_model_spec(args.model)  # before the index is read
@@ -256,6 +262,8 @@ def cmd_score(args: argparse.Namespace) -> int:
 def value_errors():
     """A plain `ValueError` raised by the library for what a command line asked (an argument no module
     matches, a budget that buys nothing) reaches `main()` as a `UsageError`: one line, exit status 2."""
+    from moe_attrib.workflows.checks import UsageError
+
     try:
         yield
     except ValueError as err:
@@ -304,7 +312,9 @@ def cmd_score_run(args: argparse.Namespace) -> int:
     from moe_attrib.outputs import check_outputs
     from moe_attrib.scoring.results import results_format, score_records, write_results
     from moe_attrib.workflows.attribution import training_examples
+    from moe_attrib.workflows.checks import UsageError, check_device, check_model_spec
     from moe_attrib.workflows.ensemble import score_run
+    from moe_attrib.workflows.loading import load_tokenizer
 
     for flag in ("ekfac", "all_scores", "average_with", "per_module", "fsdp"):
         if getattr(args, flag):
@@ -627,7 +637,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: error: {error_text(err)}", file=sys.stderr)
         return code
     finally:
-        teardown()
+        if "torch.distributed" in sys.modules:  # a command that ran may have joined a process group
+            from moe_attrib.model.distributed import teardown
+
+            teardown()
 
 
 if __name__ == "__main__":
