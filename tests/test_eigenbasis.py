@@ -155,6 +155,29 @@ def test_budget_and_allocation():
     assert allocate([w], 3) == [(3, 1)]
 
 
+def test_allocation_ignores_the_factors_damping():
+    """The budget is spent by `Lambda / (Lambda + m)`, `m` the model-wide mean of every corrected eigenvalue
+    (worked out here from the factors' own `lam`), whatever damping the factors carry: fitted with the default,
+    re-damped 1 x model-wide or 0.5 x per module, the plan keeps the same rectangles."""
+    model = tiny_model("qwen3_moe")
+    report = ma.discover(model, track_moe_experts=True)
+    ek = fit_ekfac(model, examples(6), projection_dim=8, token_batch_size=48, progress=False)
+    lams = [f.lam.double() for f in ek.factors.values()]
+    mean = float(sum(lam.sum() for lam in lams) / sum(lam.numel() for lam in lams))
+    plans = [plan_eigenbasis(report, e, "2KiB") for e in (ek, ek.with_damping(1.0), ek.with_damping(0.5, "module"))]
+    shapes = [[s for t in plan.targets for s in t.shapes] for plan in plans]
+    assert shapes[0] == shapes[1] == shapes[2]
+    weights = []
+    for target in plans[0].targets:
+        f = ek.factors[target.block]
+        rows, cols = direction_order(f)
+        lam = f.lam.double()
+        for e in range(len(target.shapes)):
+            le, r, c = (lam[e], rows[e], cols[e]) if lam.dim() == 3 else (lam, rows, cols)
+            weights.append((le / (le + mean))[r][:, c])
+    assert shapes[0] == allocate(weights, parse_bytes("2KiB") // 4)
+
+
 def test_plan_refuses_unfolded_bias_and_missing_factor():
     model = tiny_model("gpt_oss")
     exs = examples(6)

@@ -67,14 +67,20 @@ def test_settings_from_a_future_version_are_refused(what, tmp_path):
 
 
 def test_build_and_ekfac_write_what_0_1_0_wrote(tmp_path):
-    """The same commands give the same rows, factors and manifest (only `settings_version` is new)."""
+    """The same commands give the same rows, factors and manifest (only `settings_version` is new); `--damping 1.0`
+    is 0.1.0's default, named since the default became 0.01 (CHANGELOG.md)."""
     import numpy as np
     from safetensors.numpy import load_file
 
     train = str(LEGACY / "train.jsonl")
     common = ["tiny:mixtral", train, "--quiet", "--device", "cpu"]
     assert main(["build", *common, "--index", str(tmp_path / "index"), "--projection_dim", "4"]) == 0
-    assert main(["ekfac", *common, "--out", str(tmp_path / "ekfac"), "--index", str(tmp_path / "index")]) == 0
+    assert (
+        main(
+            ["ekfac", *common, "--out", str(tmp_path / "ekfac"), "--index", str(tmp_path / "index"), "--damping", "1.0"]
+        )
+        == 0
+    )
     for name in ("gradients.npy", "losses.npy", "expert_counts.npy"):
         np.testing.assert_allclose(np.load(tmp_path / "index" / name), np.load(LEGACY / "index" / name), rtol=1e-6)
     new, old = (

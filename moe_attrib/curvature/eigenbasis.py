@@ -18,8 +18,10 @@ default) is part of its weight's block: the rotated bias gradient times the ones
 side's eigenvectors, as `moe_attrib.curvature.ekfac` rotates it.
 
 The budget (bytes per example, `parse_bytes`) is spent greedily (`allocate`): a block grows by one
-row or one column of directions at a time, whichever adds the most `Lambda / (Lambda + damping)`
-(the share of a direction in the effective dimension of the damped curvature) per stored column.
+row or one column of directions at a time, whichever adds the most `Lambda / (Lambda + d)` (the share
+of a direction in the effective dimension of the damped curvature) per stored column, `d` being
+`ALLOCATION_DAMPING` x the model-wide mean of `Lambda` whatever damping the factors carry: the
+allocation measured on the LDS benchmark (docs/build.md) does not move with the scoring damping.
 The kept eigenvectors are written next to the index (`eigenbasis.safetensors`) so queries are
 collected with the index alone; the factors' fingerprint is recorded in the index settings and
 scoring refuses other factors (`check_factors`).
@@ -46,6 +48,7 @@ from moe_attrib.settings import DEFAULT_BUDGET
 EIGENBASIS = "ekfac-eigen-v1"  # recorded as settings["eigenbasis"]["kind"]
 BASIS_FILE = "eigenbasis.safetensors"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ALLOCATION_DAMPING = 1.0  # x the model-wide mean Lambda: how the budget is spent, whatever the factors' damping
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -312,7 +315,7 @@ class EigenPlan:
 
 
 def weights_of(f: Factor) -> list[torch.Tensor]:
-    """Per block (expert), `Lambda / (Lambda + damping)` with rows and columns sorted by `direction_order`."""
+    """Per block (expert), `Lambda / (Lambda + f.damping)` with rows and columns sorted by `direction_order`."""
     rows, cols = direction_order(f)
     lam = f.lam.detach().double().cpu()
     damp = f.damping.detach().double().cpu()
@@ -353,7 +356,8 @@ def plan_eigenbasis(
             raise EigenbasisError(f"{e.block}: the factors do not keep its experts apart; fit them again.")
         names = [f"{lay.expert_name(i, e.proj)}.weight" for i in range(lay.num_experts)] if lay else [e.key]
         found.append((e.block, names, f))
-    weights = [w for _, _, f in found for w in weights_of(f)]
+    allocation = ekfac.with_damping(ALLOCATION_DAMPING, "model").factors
+    weights = [w for block, _, _ in found for w in weights_of(allocation[block])]
     shapes = allocate(weights, columns)
     targets, at = [], 0
     for block, names, f in found:
