@@ -32,7 +32,8 @@ import moe_attrib as ma  # noqa: E402
 from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 from moe_attrib.scoring.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
 
-# (label, multiplier, scope): `multiplier x mean(Lambda)` over the scope; the first is the library default
+# (label, multiplier, scope): `multiplier x mean(Lambda)` over the scope; the first (the default before 0.01 x) is the
+# baseline every rule is compared with, the second is the library default (DEFAULT_DAMPING)
 RULES = [
     ("1 x mean, model", 1.0, "model"),
     ("0.01 x mean, model", 0.01, "model"),
