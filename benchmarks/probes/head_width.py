@@ -1,4 +1,4 @@
-"""Would a wider projection of the output layer's vocabulary side close the gap to exact rows?
+"""Would a wider projection of the output layer close the gap to exact rows?
 
 On the Python-docs configurations the default (p=32) is far below exact rows and exact `lm_head` alone.
 This scores, on a cached LDS configuration: the default; the default's whole-model scores (without the
