@@ -5,7 +5,8 @@ caches of which only some are kept; `lds_damping.py` scored both dampings on the
 keep per-query LDS, so this pairs Kronfluence's values (`lds-peers.npz`) with the 0.01 x rule's
 (`lds-damping.npz`). It first checks that the two files agree where they overlap, i.e. that the moe-attrib
 default in `lds-peers.npz` equals one of the two dampings' rows query for query. It prints per configuration and the
-means over the tuning and held-out configurations, with paired bootstrap CIs (Kronfluence - default):
+means over the tuning and held-out configurations (`lds_damping.mean_over`), with paired bootstrap CIs
+(Kronfluence - default):
 
     python benchmarks/probes/peers_new_default.py > benchmarks/results/lds-peers-new-default.txt
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 import lds  # noqa: E402
+from lds_damping import mean_over  # noqa: E402
 
 RESULTS = lds.ROOT / "benchmarks" / "results"
 OLD, NEW = "1 x mean, model", "0.01 x mean, model"
@@ -50,17 +52,10 @@ def main() -> None:
             ]
         held = " (held out)" if n in lds.HELDOUT else ""
         print(f"| {n}{held} | " + " | ".join(cells) + " |")
-    rng = np.random.default_rng(0)
     for title, group in (("tuning", lds.TUNING), ("held-out", lds.HELDOUT)):
         have = [n for n in names if n in group]
-        draws = {n: rng.integers(0, len(per[n]["default"]), (2000, len(per[n]["default"]))) for n in have}
-        base = np.mean([per[n]["default"].mean() for n in have])
-        for k in PEERS:
-            mean = np.mean([per[n][k].mean() for n in have])
-            diff = np.mean([(per[n][k] - per[n]["default"])[draws[n]].mean(1) for n in have], axis=0)
-            lo, hi = np.quantile(diff, [0.025, 0.975])
-            print(f"mean over the {title} configurations ({', '.join(have)}): default {base:.3f}, {k} {mean:.3f}, "
-                  f"{k} - default {mean - base:+.3f} [{lo:+.3f}, {hi:+.3f}]")  # fmt: skip
+        print(f"== mean over the {title} configurations ({', '.join(have)})")
+        mean_over(per, have, "default")
 
 
 if __name__ == "__main__":
