@@ -44,6 +44,7 @@ from moe_attrib.data import collate, labels_for, load_examples  # noqa: E402
 from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 from moe_attrib.model.zoo import tiny_model, train_tokenizer  # noqa: E402
 from moe_attrib.scoring.score import DEFAULT_UNIT_NORMALIZE  # noqa: E402
+from moe_attrib.settings import DEFAULT_OUTPUT_PROJECTION_DIM  # noqa: E402
 from moe_attrib.synthetic import multi_domain_corpus, texts  # noqa: E402
 
 
@@ -322,6 +323,9 @@ def groups(model) -> dict[str, str]:
     }
 
 
+OUT = DEFAULT_OUTPUT_PROJECTION_DIM  # the output layer's own p in `Attribution` unless given
+
+
 class Attribution:
     """Indexes, factors and query rows of the full model, built once per setting through the public API."""
 
@@ -330,13 +334,14 @@ class Attribution:
         self.device, self.optimizer_state = device, optimizer_state
         self.cache: dict = {}
 
-    def get(self, p: int | None, tracked: bool = True, opt: bool = False, kind: str = PROJECTION):
-        key = (p, tracked, opt, kind)
+    def get(self, p: int | None, tracked: bool = True, opt: bool = False, kind: str = PROJECTION, out=OUT):
+        """Index, query rows and rows at p (`out`: the output layer's own p; the library's default)."""
+        key = (p, tracked, opt, kind, out)
         if key not in self.cache:
-            path = self.root / f"index-{p}-{tracked}-{opt}-{kind}"
+            path = self.root / f"index-{p}-{tracked}-{opt}-{kind}-{out}"
             ma.build_index(self.model, self.examples, path, projection_dim=p, track_moe_experts=tracked,
                            optimizer_state=str(self.optimizer_state) if opt else None, projection=kind,
-                           progress=False)  # fmt: skip
+                           output_projection_dim=out, progress=False)  # fmt: skip
             index = ma.load_index(path)
             q = ma.query_gradients(self.model, self.queries, index)
             self.cache[key] = (index, q, np.asarray(index.gradients))
@@ -351,15 +356,17 @@ class Attribution:
         scope=None,
         fold=None,
         kind: str = PROJECTION,
+        out=OUT,
     ):
         """Factors fitted with the library's defaults except where given; damping re-applied without refitting."""
-        key = ("ekfac", p, tracked, sampled, fold, kind)
+        key = ("ekfac", p, tracked, sampled, fold, kind, out)
         if key not in self.cache:
             kwargs = {} if sampled is None else {"sampled_labels": sampled}
             if fold is not None:
                 kwargs["fold_bias"] = fold
             self.cache[key] = ma.fit_ekfac(self.model, self.examples, projection_dim=p, track_moe_experts=tracked,
-                                           projection=kind, progress=False, **kwargs)  # fmt: skip
+                                           projection=kind, output_projection_dim=out, progress=False,
+                                           **kwargs)  # fmt: skip
         ek = self.cache[key]
         if damping is not None or scope is not None:
             ek = ek.with_damping(DEFAULT_DAMPING if damping is None else damping, scope or DEFAULT_DAMPING_SCOPE)
@@ -377,8 +384,9 @@ class Attribution:
         kind=PROJECTION,
         coupling="auto",
         balance="auto",
+        out=OUT,
     ):
-        index, q, rows = self.get(p, tracked, opt, kind)
+        index, q, rows = self.get(p, tracked, opt, kind, out)
         modules = groups(self.model)[group] if group else None
         if not per_module_unit:
             return ma.score_matrix(

@@ -24,6 +24,9 @@ SETTINGS_VERSION = 1  # the settings layout new manifests record; one without th
 
 # collection
 DEFAULT_PROJECTION_DIM = 32  # per side: a p x p block per weight (docs/quality.md)
+# the output layer's own p; None: DEFAULT_PROJECTION_DIM's, like every block (512 was measured and not adopted:
+# docs/quality.md#output-layer-width)
+DEFAULT_OUTPUT_PROJECTION_DIM = None
 PROJECTION = "rademacher-hash-v2"  # the projection kind new indexes and EK-FAC factors use
 LEGACY_PROJECTION = "gaussian-cpu-v0"  # what settings without a "projection" key were made with
 DEFAULT_INDEX_DTYPE = "float32"
@@ -107,6 +110,23 @@ def positive_float(text: str) -> float:
 
 def nonnegative_float(text: str) -> float:
     return finite_float(text, lambda v: v >= 0, "a number >= 0")
+
+
+def own_output_dim(projection_dim: int | None, output_projection_dim: int | None) -> int | None:
+    """The output layer's own dimension where it differs from every other block's (None: it has none:
+    exact rows, no `output_projection_dim`, or one equal to `projection_dim`)."""
+    if projection_dim is None or output_projection_dim is None or output_projection_dim == projection_dim:
+        return None
+    return int(output_projection_dim)
+
+
+def output_dims(
+    output_layer: str | None, projection_dim: int | None, output_projection_dim: int | None
+) -> dict[str, int]:
+    """`target_dims` giving the output layer `output_projection_dim` (`own_output_dim`): empty where
+    the model has no output-layer target or the layer has no dimension of its own."""
+    own = own_output_dim(projection_dim, output_projection_dim)
+    return {output_layer: own} if own is not None and output_layer is not None else {}
 
 
 def setting(default: Any, help: str | None = None, flag: str | None = None, parse=None, **cli: Any) -> Any:
@@ -237,6 +257,13 @@ class CollectSettings(Settings):
         type=projection_size,
         cli_default=None,
     )
+    output_projection_dim: int | None = setting(
+        DEFAULT_OUTPUT_PROJECTION_DIM,
+        "the output layer's (lm_head's) own p: its sides are projected to this many columns, a side no "
+        "wider kept exact (default: p, like every block; 512 for a large vocabulary: docs/quality.md)",
+        type=projection_size,
+        metavar="W",
+    )
     seed: int = setting(0, "projection seed (and EK-FAC label sampling)", type=int)
     projection: str = setting(PROJECTION, flag="")  # the projection kind (moe_attrib.collect.projection)
     expert_blocks: str = setting(
@@ -271,10 +298,14 @@ class CollectSettings(Settings):
         "best with --index_dtype bfloat16: docs/build.md)",
     )
 
+    def target_dims(self, output_layer: str | None) -> dict[str, int]:
+        """The targets projected to their own dimension (`output_dims`), given the output layer's name."""
+        return output_dims(output_layer, self.projection_dim, self.output_projection_dim)
+
     def recorded(self) -> dict[str, Any]:
         """The fields an index manifest records (how its rows were made; not how they were computed)."""
-        keep = ("projection_dim", "seed", "projection", "expert_blocks", "track_moe_experts", "filter_modules",
-                "token_batch_size", "attribute_tokens", "optimizer_state")  # fmt: skip
+        keep = ("projection_dim", "output_projection_dim", "seed", "projection", "expert_blocks", "track_moe_experts",
+                "filter_modules", "token_batch_size", "attribute_tokens", "optimizer_state")  # fmt: skip
         return {k: getattr(self, k) for k in keep}
 
 
@@ -397,7 +428,8 @@ class IndexSettings(Settings):
     collected (`collect`), how the data were read (`reading`) and what the rows came from: the model
     (`model`, its weights fingerprint and dtype), the data (absolute path, token fingerprint) and the
     tokenizer's fingerprint; `eigenbasis` for an index of eigenbasis rows. Keys older manifests lack
-    take what they meant then: projection kind `LEGACY_PROJECTION`, experts untracked, float32 rows."""
+    take what they meant then: projection kind `LEGACY_PROJECTION`, experts untracked, float32 rows, the output
+    layer projected like every block."""
 
     collect: CollectSettings = field(default_factory=CollectSettings)
     reading: DataSettings = field(default_factory=DataSettings)
@@ -413,7 +445,8 @@ class IndexSettings(Settings):
     @classmethod
     def from_dict(cls, data: dict[str, Any], legacy: dict[str, str] | None = None) -> IndexSettings:
         """The settings of a manifest's flat "settings" dict."""
-        old = {"track_moe_experts": False, "projection": LEGACY_PROJECTION, "index_dtype": DEFAULT_INDEX_DTYPE}
+        old = {"track_moe_experts": False, "projection": LEGACY_PROJECTION, "index_dtype": DEFAULT_INDEX_DTYPE,
+               "output_projection_dim": None}  # fmt: skip
         data = {**old, **{k: v for k, v in data.items() if v is not None or k != "projection"}}
         own = {f.name for f in dataclasses.fields(cls)} - {"collect", "reading"}
         return cls(

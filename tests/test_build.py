@@ -18,6 +18,7 @@ import moe_attrib as ma
 from moe_attrib.data import collate, load_examples
 from moe_attrib.indexing.index import IndexFileError, load_index
 from moe_attrib.model.zoo import save_tiny
+from moe_attrib.settings import DEFAULT_OUTPUT_PROJECTION_DIM
 from tests.conftest import run_torchrun
 
 CORPUS = Path(__file__).parent / "data" / "tiny_corpus.jsonl"
@@ -75,7 +76,9 @@ def test_index_rows_equal_per_example_gradients(model_dir, tmp_path, blocks, rec
     examples = load_examples(str(CORPUS), tok)
     rows = [0, 7, 31, 47]
     ids, mask = collate(examples, rows, tok.pad_token_id)
-    grads = ma.per_example_gradients(model, ids, mask, projection_dim=8, seed=5)
+    grads = ma.per_example_gradients(
+        model, ids, mask, projection_dim=8, seed=5, output_projection_dim=DEFAULT_OUTPUT_PROJECTION_DIM
+    )
     for block in idx.blocks:
         if blocks == "sum" and ".experts." in block.name:
             layer, proj_key = block.name.split(".experts.")

@@ -43,7 +43,8 @@ def expected_block(grads, ek, block, sketch=None):
     w = grads[f"{stem}.weight"].double()
     b = grads.get(f"{stem}.bias")
     if sketch is not None:
-        p, seed = sketch
+        p, seed, own = sketch
+        p = own.get(factor, p)
         out_f, in_f = (w.shape[2], w.shape[1]) if f.transposed else (w.shape[1], w.shape[2])
 
         def side(name, features):
@@ -67,14 +68,17 @@ def expected_block(grads, ek, block, sketch=None):
 
 
 @pytest.mark.parametrize(
-    "family,sketch",
-    [("qwen3_moe", None), ("gpt_oss", None), ("qwen3_moe", 8)],
-    ids=["qwen3_moe-exact-factors", "gpt_oss-biases", "qwen3_moe-sketched"],
+    "family,sketch,output",
+    [("qwen3_moe", None, None), ("gpt_oss", None, None), ("qwen3_moe", 8, None), ("qwen3_moe", 8, 48)],
+    ids=["qwen3_moe-exact-factors", "gpt_oss-biases", "qwen3_moe-sketched", "qwen3_moe-sketched-output-layer-at-48"],
 )
-def test_rows_equal_exact_gradient_rotated_and_truncated(tmp_path, family, sketch):
+def test_rows_equal_exact_gradient_rotated_and_truncated(tmp_path, family, sketch, output):
+    """Eigenbasis rows against the exact gradient (sketched by hand where the factors were: the output layer at
+    its own width with `output_projection_dim`) rotated into the factors' eigenbases and truncated."""
     model = tiny_model(family)
     exs = examples(8)
-    ek = fit_ekfac(model, exs, projection_dim=sketch, token_batch_size=48, progress=False)
+    ek = fit_ekfac(model, exs, projection_dim=sketch, output_projection_dim=output, token_batch_size=48,
+                   progress=False)  # fmt: skip
     total = sum(f.lam.numel() for f in ek.factors.values())  # columns of every direction pair
     path = build_index(model, exs, tmp_path / "ix", ekfac=ek, budget=4 * total // 3, progress=False)
     index = load_index(path)
@@ -84,9 +88,14 @@ def test_rows_equal_exact_gradient_rotated_and_truncated(tmp_path, family, sketc
     assert any(EXPERT_BLOCK.match(b.name) for b in blocks)
     assert len({b.shape for b in blocks}) > 1  # the budget gives blocks different rectangles
     for b in blocks:
-        want = expected_block(grads, ek, b, None if sketch is None else (sketch, 0))
+        want = expected_block(
+            grads, ek, b, None if sketch is None else (sketch, 0, {"lm_head": output} if output else {})
+        )
         assert rel_err(rows[:, b.start : b.stop], want) < 2e-4, b.name
     assert index.gradients.shape[1] * 4 <= 4 * total // 3
+    assert index.manifest["settings"]["output_projection_dim"] == output
+    if output:
+        assert ek.factors["lm_head"].G.shape == (output, output)  # vocabulary 128 sketched to 48, not 8
     q = query_gradients(model, exs[:3], index)  # queries collected from the index alone
     assert rel_err(q, rows[:3]) < 1e-5
 
@@ -196,6 +205,7 @@ def test_inspect_plans_from_config_alone(tmp_path, capsys):
     from moe_attrib.app.cli import main
     from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM, column_plan
     from moe_attrib.model.zoo import tiny_config
+    from moe_attrib.settings import CollectSettings
 
     tiny_config("gpt_oss").save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
@@ -203,7 +213,8 @@ def test_inspect_plans_from_config_alone(tmp_path, capsys):
     out = capsys.readouterr().out
     line = [x for x in out.splitlines() if x.startswith("index bytes per example: ")]
     report = ma.discover(tiny_model("gpt_oss"), track_moe_experts=True)
-    want = column_plan(report, DEFAULT_PROJECTION_DIM, "separate")[-1].stop * 4
+    dims = CollectSettings().target_dims(report.output_layer)
+    want = column_plan(report, DEFAULT_PROJECTION_DIM, "separate", target_dims=dims)[-1].stop * 4
     assert line == [f"index bytes per example: {want}"]
 
 

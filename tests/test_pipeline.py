@@ -13,6 +13,7 @@ from moe_attrib.collect.prefetch import BackgroundWriter, HostCopy, prefetch
 from moe_attrib.data import Example, collate, labels_for, token_batches
 from moe_attrib.indexing.index import IndexWriter, column_plan, flatten_batch, load_index, part_dir
 from moe_attrib.model.zoo import tiny_model
+from moe_attrib.settings import CollectSettings
 
 
 def examples(n=10):
@@ -34,9 +35,10 @@ def build(model, ex, path, **kw):
 def plain_loop(model, ex, attribute_tokens=False, expert_blocks="separate", token_batch_size=24):
     """Rows of every example computed batch by batch with no thread, no asynchronous copy."""
     report = ma.discover(model)
-    blocks = column_plan(report, 8, expert_blocks)
+    dims = CollectSettings(projection_dim=8).target_dims(report.output_layer)  # the output layer's default width
+    blocks = column_plan(report, 8, expert_blocks, target_dims=dims)
     rows, losses = {}, {}
-    with GradientCollector(model, report, projection_dim=8, seed=2) as collector:
+    with GradientCollector(model, report, projection_dim=8, seed=2, target_dims=dims) as collector:
         for positions in token_batches(ex, token_batch_size):
             ids, mask = collate(ex, positions, 0)
             out = collector.collect(ids, mask, labels_for(ex, positions, ids, mask), fused_experts=True,

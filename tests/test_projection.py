@@ -155,9 +155,12 @@ def side(name: str, p: int, features: int, seed: int, kind: str, batch: int | No
     return pj.projection_matrix(name, p, features, seed, batch, kind=kind).double()
 
 
-def by_hand(exact: dict, report, p: int, seed: int, kind: str) -> dict[str, tuple[torch.Tensor, bool, bool]]:
-    """Every exact per-example block projected by hand: key -> (float64 [N, ...], out side kept, in side kept)."""
-    out = {}
+def by_hand(
+    exact: dict, report, p: int, seed: int, kind: str, dims: dict | None = None
+) -> dict[str, tuple[torch.Tensor, bool, bool]]:
+    """Every exact per-example block projected by hand: key -> (float64 [N, ...], out side kept, in side kept);
+    a target named in `dims` takes its own p."""
+    out, base = {}, p
     for t in report.targets:
         if t.kind == "experts":
             lay = t.layout
@@ -173,6 +176,7 @@ def by_hand(exact: dict, report, p: int, seed: int, kind: str) -> dict[str, tupl
                     if lay.has_bias:
                         out[f"{name}.bias"] = (exact[f"{name}.bias"].double() @ p_out[i].T, kept[0], kept[0])
             continue
+        p = (dims or {}).get(t.name, base)
         rows, cols = t.module.weight.shape
         fout, fin = (cols, rows) if t.transposed else (rows, cols)
         p_in, p_out = side(f"{t.name}/in", p, fin, seed, kind), side(f"{t.name}/out", p, fout, seed, kind)
@@ -280,3 +284,80 @@ def test_v2_ekfac_factors_are_covariances_of_partly_projected_rows(model):  # no
     w = torch.stack([want[f"model.layers.1.mlp.experts.expert_{i}.down_proj.weight"][0] for i in range(8)], dim=1)
     lam = ((qr.transpose(-1, -2) @ w @ qc) ** 2).mean(dim=0)
     assert torch.allclose(f.lam, lam, rtol=1e-5, atol=1e-12)
+
+
+def test_output_layer_own_width_rows_queries_factors_and_refusals(model, tmp_path):  # noqa: F811
+    """`output_projection_dim=W`: the output layer's block is its exact gradient projected by hand at W (the
+    64-wide hidden side kept, the 128-word vocabulary side projected), every other block at p as before; query
+    rows, the refinement's projection of full-size vectors and the EK-FAC factors (P C P^T at W) follow it;
+    factors without it are refused for such an index, before any scoring."""
+    from moe_attrib.curvature import ihvp
+    from moe_attrib.data import collate, labels_for
+    from moe_attrib.workflows.checks import UsageError, check_ekfac_dirs
+
+    ex, p, w, seed = examples(6), 16, 64, 4
+    ids, mask = collate(ex, list(range(6)))
+    exact = ma.per_example_gradients(model, ids, mask, labels_for(ex, list(range(6)), ids, mask))
+    report = ma.discover(model)
+    assert report.output_layer == "lm_head"
+    path = ma.build_index(model, ex, tmp_path / "idx", projection_dim=p, output_projection_dim=w, seed=seed,
+                          token_batch_size=64, progress=False)  # fmt: skip
+    idx = ma.load_index(path)
+    assert idx.manifest["settings"]["output_projection_dim"] == w and idx.settings.collect.output_projection_dim == w
+    rows = torch.from_numpy(np.array(idx.gradients)).double()
+    want = by_hand(exact, report, p, seed, pj.PROJECTION, {"lm_head": w})
+    assert {b.name for b in idx.blocks} == set(want)
+    for b in idx.blocks:
+        expected = want[b.name][0]
+        assert tuple(b.shape) == tuple(expected.shape[1:]), b.name
+        assert torch.allclose(rows[:, b.start : b.stop], expected.reshape(6, -1), rtol=1e-4, atol=1e-5), b.name
+    head = next(b for b in idx.blocks if b.name == "lm_head.weight")
+    assert tuple(head.shape) == (w, 64)  # vocabulary 128 -> 64 columns, hidden 64 kept; p = 16 would give 16 x 16
+    uniform = ma.build_index(model, ex, tmp_path / "uniform", projection_dim=p, seed=seed, token_batch_size=64,
+                             progress=False)  # fmt: skip
+    same = ma.load_index(uniform)
+    other = [b for b in idx.blocks if b.name != "lm_head.weight"]
+    assert [(b.name, tuple(b.shape)) for b in other] == [(b.name, tuple(b.shape)) for b in same.blocks[: len(other)]]
+    assert ma.load_index(uniform).manifest["settings"]["output_projection_dim"] is None
+    q = ma.query_gradients(model, ex[:3], idx)
+    assert torch.allclose(q, rows[:3].float(), rtol=1e-4, atol=1e-6)
+    entries = ihvp.tracked_entries(model, report)
+    vectors = ihvp.full_gradients(model, report, entries, ex[:3])
+    cols = ihvp.to_index_columns(idx, report, entries, vectors)
+    assert torch.allclose(cols.double(), rows[:3], rtol=1e-4, atol=1e-5)
+
+    kw = dict(token_batch_size=1000, progress=False, sampled_labels=False)
+    full = ma.fit_ekfac(model, ex, projection_dim=None, **kw)
+    ek = ma.fit_ekfac(model, ex, projection_dim=p, output_projection_dim=w, seed=seed, **kw)
+    assert ek.output_projection_dim == w and ek.target_dims(report) == {"lm_head": w}
+    f, ref = ek.factors["lm_head"], full.factors["lm_head"]
+    p_out = side("lm_head/out", w, 128, seed, pj.PROJECTION)
+    assert torch.allclose(f.A, ref.A, rtol=1e-10, atol=1e-12)  # hidden 64 <= w: kept
+    assert torch.allclose(f.G, p_out @ ref.G @ p_out.T, rtol=1e-5, atol=1e-8)
+    router = "model.layers.0.mlp.gate"
+    p_in = side(f"{router}/in", p, 64, seed, pj.PROJECTION)
+    assert torch.allclose(ek.factors[router].A, p_in @ full.factors[router].A @ p_in.T, rtol=1e-5, atol=1e-6)
+    precondition_queries(q, idx.blocks, ek, idx.manifest["settings"])  # matching factors: accepted
+    ek.save(tmp_path / "ek")
+    check_ekfac_dirs([str(tmp_path / "ek")], idx.manifest["settings"], str(idx.path))
+    plain = ma.fit_ekfac(model, ex, projection_dim=p, seed=seed, **kw)
+    assert plain.output_projection_dim is None
+    plain.save(tmp_path / "plain")
+    with pytest.raises(ScoreError, match="fitted with output_projection_dim=None but the index uses 64"):
+        precondition_queries(q, idx.blocks, plain, idx.manifest["settings"])
+    with pytest.raises(UsageError, match="--ekfac .*plain: fitted with output_projection_dim=None but the index"):
+        check_ekfac_dirs([str(tmp_path / "plain")], idx.manifest["settings"], str(idx.path))
+    with pytest.raises(UsageError, match="--ekfac .*ek: fitted with output_projection_dim=64 but the index"):
+        check_ekfac_dirs([str(tmp_path / "ek")], same.manifest["settings"], str(same.path))
+    from moe_attrib.app.cli import build_parser, index_projection
+
+    def ekfac_args(index, *flags):
+        return build_parser().parse_args(["ekfac", "tiny:qwen3_moe", "d.jsonl", "--out", "o", "--index", index, *flags])
+
+    for index, taken in ((path, w), (uniform, p)):  # the index's own width; none of its own: p, like every block
+        args = ekfac_args(str(index))
+        index_projection(args)
+        assert (args.projection_dim, args.output_projection_dim) == (p, taken)
+    index_projection(ekfac_args(str(path), "--output_projection_dim", str(w)))  # the index's own: accepted
+    with pytest.raises(UsageError, match="--output_projection_dim 32 differs from the index .*idx's \\(64\\)"):
+        index_projection(ekfac_args(str(path), "--output_projection_dim", "32"))

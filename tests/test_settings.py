@@ -3,6 +3,7 @@ defaults are the functions' and flags' of 0.1.0, and they load back from what th
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import sys
@@ -15,6 +16,7 @@ from moe_attrib.settings import (
     CollectSettings,
     DataSettings,
     EkfacSettings,
+    IndexSettings,
     RefineSettings,
     ScoreSettings,
     resolve,
@@ -24,15 +26,30 @@ HELP = Path(__file__).parent / "data" / "help-0.1.0"
 CHANGED_DEFAULTS = {  # command: [(0.1.0's help text, today's)]
     "ekfac": [("over --damping_scope (default: 1.0)", "over --damping_scope (default: 0.01)")],
 }
+ADDED_FLAGS = {  # command: flags added since 0.1.0 (each in CHANGELOG.md)
+    "build": ["--output_projection_dim"],
+    "ekfac": ["--output_projection_dim"],
+}
+
+
+def command_parser(command: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
 
 
 @pytest.mark.parametrize("command", ["build", "ekfac", "score"])
 def test_help_is_0_1_0s(command, capsys, monkeypatch):
     """Every flag, default and help line as 0.1.0 printed them (tests/data/help-0.1.0, COLUMNS=120), but for the
-    defaults changed since (`CHANGED_DEFAULTS`, each in CHANGELOG.md)."""
+    defaults changed since (`CHANGED_DEFAULTS`) and the flags added since (`ADDED_FLAGS`, left out of the
+    comparison: each is there), each in CHANGELOG.md."""
     monkeypatch.setenv("COLUMNS", "120")
+    parser = command_parser(command)
+    added = [a for a in parser._actions if set(a.option_strings) & set(ADDED_FLAGS.get(command, []))]
+    assert len(added) == len(ADDED_FLAGS.get(command, []))
+    for action in added:
+        monkeypatch.setattr(action, "help", argparse.SUPPRESS)
     with pytest.raises(SystemExit):
-        build_parser().parse_args([command, "-h"])
+        parser.parse_args(["-h"])
     expected = (HELP / f"{command}.txt").read_text()
     for before, after in CHANGED_DEFAULTS.get(command, []):
         assert before in expected
@@ -109,9 +126,11 @@ def test_a_manifest_loads_into_collection_settings():
     import json
 
     manifest = json.loads((Path(__file__).parent / "data/legacy-index-0.1.0/index-tokens/manifest.json").read_text())
-    st = CollectSettings.from_dict(manifest["settings"])
+    st = IndexSettings.from_dict(manifest["settings"]).collect
     assert st.attribute_tokens and st.projection_dim == 4 and st.seed == 0 and not st.track_moe_experts
-    assert st.recorded().items() <= manifest["settings"].items()
+    recorded = st.recorded()
+    assert recorded.pop("output_projection_dim") is None  # added since: the output layer projected like every block
+    assert recorded.items() <= manifest["settings"].items()
 
 
 def test_keyword_shortcuts_and_their_errors():

@@ -28,3 +28,14 @@ def test_every_family_saves_and_loads_back_the_same_model(family, tmp_path):
         for p in loaded.parameters():  # the same bytes in fresh (64-byte aligned) memory: the same kernels
             p.data = p.data.clone()
         assert torch.equal(loaded(input_ids=ids).logits, want)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next"])
+def test_per_layer_lists_follow_any_depth(family):
+    """A depth other than the overrides' two layers: every layer gets its entry, the pattern repeated (three
+    layers of gpt_oss raised IndexError in the model's constructor)."""
+    model = tiny_model(family, num_hidden_layers=3)
+    kinds = model.config.get_text_config().layer_types
+    assert len(kinds) == 3 and kinds[2] == kinds[0] != kinds[1]
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([[3, 4, 5, 6]])).logits.shape == (1, 4, model.config.vocab_size)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_attrib.settings import (
+    DEFAULT_OUTPUT_PROJECTION_DIM,
     DEFAULT_PROJECTION_DIM,
     PRECISIONS,
     CollectSettings,
@@ -23,6 +24,7 @@ from moe_attrib.settings import (
     ScoreSettings,
     add_flags,
     nonnegative_int,
+    own_output_dim,
     positive_int,
 )
 
@@ -76,11 +78,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if report.routers:
         print("\nrouters: " + ", ".join(report.routers))
     if report.targets:
-        from moe_attrib.indexing.index import DEFAULT_INDEX_DTYPE, DEFAULT_PROJECTION_DIM, INDEX_DTYPES, column_plan
+        from moe_attrib.indexing.index import DEFAULT_INDEX_DTYPE, INDEX_DTYPES, column_plan
 
-        columns = column_plan(report, DEFAULT_PROJECTION_DIM, "separate")[-1].stop
+        st = CollectSettings()
+        dims = st.target_dims(report.output_layer)
+        columns = column_plan(report, st.projection_dim, "separate", st.projection, dims)[-1].stop
         size = np.dtype(INDEX_DTYPES[DEFAULT_INDEX_DTYPE]).itemsize
-        print(f"\ndefault index (p={DEFAULT_PROJECTION_DIM}, {DEFAULT_INDEX_DTYPE}): {columns} columns per example")
+        own = "".join(f", {name} at {dim}" for name, dim in dims.items())
+        print(f"\ndefault index (p={st.projection_dim}{own}, {DEFAULT_INDEX_DTYPE}): {columns} columns per example")
         print(f"index bytes per example: {columns * size}")
     return 0
 
@@ -174,6 +179,14 @@ def index_projection(args: argparse.Namespace):
         args.no_projection = st.projection_dim is None
     if args.seed is None:
         args.seed = st.seed
+    index_output = own_output_dim(st.projection_dim, st.output_projection_dim)
+    if args.output_projection_dim is None:  # the index's; none of its own: like every block
+        args.output_projection_dim = index_output or st.projection_dim
+    if own_output_dim(projection(args), args.output_projection_dim) != index_output:
+        raise UsageError(
+            f"--output_projection_dim {args.output_projection_dim} differs from the index {args.index}'s "
+            f"({index_output or 'that of every block'}); leave it out to use the index's."
+        )
     args.projection_kind = projection_kind(index.manifest["settings"])
     if args.precision == "auto":  # the index's weights fingerprint is of the model in the index's dtype
         args.precision = PRECISIONS.get(made.dtype, "auto")
@@ -215,6 +228,8 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
     args.seed = 0 if args.seed is None else args.seed
     if args.projection_dim is None:
         args.projection_dim = DEFAULT_PROJECTION_DIM
+    if args.output_projection_dim is None:
+        args.output_projection_dim = DEFAULT_OUTPUT_PROJECTION_DIM
     collect = CollectSettings.from_args(args, projection_dim=projection(args))
     with value_errors(), notes():
         fit_from_files(
@@ -464,6 +479,8 @@ def add_projection_args(parser: argparse.ArgumentParser, from_index: bool = Fals
     With `from_index` (ekfac's `--index DIR`) both default to None: the index's, else the defaults."""
     index = {"help": f"p: each weight block is p x p (default {DEFAULT_PROJECTION_DIM}, or the index's)"}
     add_flags(parser, CollectSettings, ["projection_dim"], projection_dim=index if from_index else {})
+    output = {"default": None, "help": "the output layer's (lm_head's) own p (default: the index's, else build's)"}
+    add_flags(parser, CollectSettings, ["output_projection_dim"], output_projection_dim=output if from_index else {})
     parser.add_argument("--no_projection", action="store_true", help="exact, unprojected rows (small models)")
     add_flags(parser, CollectSettings, ["seed"], seed={"default": None} if from_index else {})
 

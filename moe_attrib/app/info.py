@@ -81,6 +81,7 @@ def _index_summary(path: Path, m: dict) -> list[tuple[str, str]]:
     ]
     shown = (
         "projection_dim",
+        "output_projection_dim",
         "projection",
         "seed",
         "expert_blocks",
@@ -107,7 +108,11 @@ def _ekfac_summary(path: Path, info: dict) -> list[tuple[str, str]]:
     lines = [
         ("path", str(path)),
         ("kind", "EK-FAC factors"),
-        ("projection", f"projection_dim={info.get('projection_dim')}, seed={info.get('seed')}"),
+        (
+            "projection",
+            f"projection_dim={info.get('projection_dim')}, seed={info.get('seed')}"
+            + (f", output_projection_dim={s['output_projection_dim']}" if s.get("output_projection_dim") else ""),
+        ),
         (
             "factors",
             f"{len(factors)} weights, {len(experts)} of them fused experts projections (one factor per expert)",

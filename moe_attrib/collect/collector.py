@@ -27,6 +27,7 @@ from moe_attrib.model import norms
 from moe_attrib.model.discovery import CoverageReport, discover, iter_entries
 from moe_attrib.model.layouts import Kernels, is_out_of_memory
 from moe_attrib.model.recompute import recompute_layers
+from moe_attrib.settings import output_dims
 
 
 class PerExampleGradients(dict):
@@ -228,13 +229,15 @@ class GradientCollector:
         recompute: bool = False,
         fused_head: bool = True,
         fused_norms: bool = True,
+        target_dims: dict[str, int] | None = None,
     ):
         """`projector(name, side, features, like, batch)` replaces the seeded random projections
         (EK-FAC uses it to rotate rows into its eigenbases; None for a side kept as it is);
         `row_sink(records, batch)` receives the `CaptureRecord`s and `BatchInfo` instead of forming
         per-example gradients (EK-FAC's covariances). `projection`: the kind of seeded projection
         (`moe_attrib.collect.projection`; an index's own kind), which with `projection_dim` also sets the
-        shape of a block that received no gradient (zeros) when a `projector` is given.
+        shape of a block that received no gradient (zeros) when a `projector` is given. `target_dims`: targets
+        projected to their own dimension instead of `projection_dim` (`moe_attrib.collect.projection.output_dims`).
         `recompute=True` keeps only each decoder layer's inputs and runs its forward again in the
         backward (`moe_attrib.model.recompute`): the same rows for far less activation memory, one more forward.
         `fused_head=True` computes the output layer with the loss in row chunks (`moe_attrib.collect.head`)
@@ -247,6 +250,7 @@ class GradientCollector:
         self.row_sink = row_sink
         self.report = report if report is not None else discover(model, track_moe_experts=track_moe_experts)
         self.projection_dim = projection_dim
+        self.target_dims = dict(target_dims or {})
         self.seed = seed
         self.projection = projection
         self.recompute = recompute
@@ -297,7 +301,9 @@ class GradientCollector:
         if self.projector is not None:
             return self.projector(name, side, features, like, batch)
         if self._proj is None or self._proj.device != like.device or self._proj.dtype != like.dtype:
-            self._proj = Projections(self.projection_dim, self.seed, like.device, like.dtype, self.projection)
+            self._proj = Projections(
+                self.projection_dim, self.seed, like.device, like.dtype, self.projection, self.target_dims
+            )
         return self._proj.get(name, side, features, batch)
 
     def collect(
@@ -404,7 +410,7 @@ class GradientCollector:
             if value is None:
                 missing.append(entry.block)
                 shape = entry.param.shape[1:] if lay is not None else entry.param.shape
-                value = self._zeros(shape, entry.kind, n, tokens, losses.device)
+                value = self._zeros(shape, entry.block, n, tokens, losses.device)
                 if lay is not None and not (tokens and expert_blocks == "sum"):
                     axis = 2 if tokens else 1
                     value = value.unsqueeze(axis).repeat_interleave(lay.num_experts, dim=axis)
@@ -435,9 +441,10 @@ class GradientCollector:
         result.expert_layers = layers
         return result
 
-    def _zeros(self, shape, key: str, n: int, tokens: int, device) -> torch.Tensor:
+    def _zeros(self, shape, block: str, n: int, tokens: int, device) -> torch.Tensor:
         if self.projection_dim:
-            shape = tuple(side_width(self.projection, d, self.projection_dim) for d in shape)
+            dim = self.target_dims.get(block, self.projection_dim)
+            shape = tuple(side_width(self.projection, d, dim) for d in shape)
         lead = (n, tokens) if tokens else (n,)
         return torch.zeros(*lead, *shape, device=device)
 
@@ -450,17 +457,25 @@ def make_collector(
     optimizer_state: str | None,
     projection: str = PROJECTION,
     recompute: bool = False,
+    target_dims: dict[str, int] | None = None,
 ) -> GradientCollector:
-    """The collector an index is built with: seeded projections of kind `projection`, optimizer-normalised if
-    asked; `recompute` runs each decoder layer's forward again in the backward (`moe_attrib.model.recompute`)."""
+    """The collector an index is built with: seeded projections of kind `projection` (`target_dims`: targets
+    with their own dimension), optimizer-normalised if asked; `recompute` runs each decoder layer's forward
+    again in the backward (`moe_attrib.model.recompute`)."""
     if not optimizer_state:
         return GradientCollector(
-            model, report, projection_dim=projection_dim, seed=seed, projection=projection, recompute=recompute
+            model,
+            report,
+            projection_dim=projection_dim,
+            seed=seed,
+            projection=projection,
+            recompute=recompute,
+            target_dims=target_dims,
         )
     from moe_attrib.collect.normalizers import Normalizer, load_optimizer_state
 
     normalizer = Normalizer(model, report, load_optimizer_state(optimizer_state, model))
-    projector = normalizer.projector(projection_dim, seed, projection)
+    projector = normalizer.projector(projection_dim, seed, projection, target_dims)
     return GradientCollector(
         model,
         report,
@@ -469,6 +484,7 @@ def make_collector(
         projector=projector,
         projection=projection,
         recompute=recompute,
+        target_dims=target_dims,
     )
 
 
@@ -484,6 +500,7 @@ def per_example_gradients(
     recompute: bool = False,
     fused_head: bool = True,
     fused_norms: bool = True,
+    output_projection_dim: int | None = None,
 ) -> PerExampleGradients:
     """Per-example gradients of every tracked module for one batch.
 
@@ -494,7 +511,8 @@ def per_example_gradients(
     stored orientation, biases `min(out, p)`; `rademacher-hash-v1`: `p x p` and `p`).
     Each example's loss is its summed token cross-entropy (labels = input_ids, padding
     ignored), so entry n equals autograd's gradient of example n's loss alone. `recompute`,
-    `fused_head`, `fused_norms`: see `GradientCollector`.
+    `fused_head`, `fused_norms`: see `GradientCollector`. `output_projection_dim`: the output layer's
+    own projection dimension, as `build_index`'s (None here: projected like every block).
     """
     report = discover(model, track_moe_experts=track_moe_experts)
     with GradientCollector(
@@ -506,5 +524,6 @@ def per_example_gradients(
         recompute=recompute,
         fused_head=fused_head,
         fused_norms=fused_norms,
+        target_dims=output_dims(report.output_layer, projection_dim, output_projection_dim),
     ) as collector:
         return collector.collect(input_ids, attention_mask, labels)

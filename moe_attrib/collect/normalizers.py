@@ -95,7 +95,9 @@ class Normalizer:
             s_in, s_out = (s_rows, s_cols) if transposed else (s_cols, s_rows)
             self.scales[name] = (s_in.float(), s_out.float())
 
-    def projector(self, projection_dim: int | None, seed: int = 0, kind: str = PROJECTION):
+    def projector(
+        self, projection_dim: int | None, seed: int = 0, kind: str = PROJECTION, target_dims: dict | None = None
+    ):
         """A `projector` for `GradientCollector`: scaling then (optionally) the seeded projection."""
         cache: dict = {}
 
@@ -105,7 +107,7 @@ class Normalizer:
                 s = self.scales[name][0 if side == "in" else 1].to(like.device)
                 proj = None
                 if projection_dim:  # None where the kind keeps this side exact
-                    proj = Projections(projection_dim, seed, like.device, torch.float32, kind).get(
+                    proj = Projections(projection_dim, seed, like.device, torch.float32, kind, target_dims).get(
                         name, side, features, batch
                     )
                 mat = s.unsqueeze(-1) * proj if proj is not None else torch.diag_embed(s)

@@ -21,6 +21,12 @@ than a Gaussian projection's (the Johnson-Lindenstrauss bound holds for both).
 directories written before the kind was recorded (no `projection` key in their settings) were
 built with it and keep using it (`projection_kind`).
 
+One block may be given its own dimension: `target_dims` maps a target's name to the p its sides
+are projected to instead of the model-wide one. New indexes give the output layer (`lm_head`) its own,
+`output_projection_dim` (`moe_attrib.settings.output_dims`): its vocabulary side carries the signal that
+a p=32 sketch loses most of (docs/quality.md#output-layer-width). A target's matrices depend on its own
+p alone.
+
 Matrices are cached per (kind, name, shape, seed, device, dtype) across collectors of one
 process, bounded by a memory budget (`set_cache_budget`), so `score` after `build`, or repeated
 `build_index` calls, never redraw.
@@ -218,9 +224,11 @@ class Projections:
         device: torch.device | str = "cpu",
         dtype=torch.float32,
         kind: str = PROJECTION,
+        target_dims: dict[str, int] | None = None,
     ):
         check_kind(kind)
         self.dim = dim
+        self.target_dims = dict(target_dims or {})
         self.seed = seed
         self.device = torch.device(device)
         self.dtype = dtype
@@ -232,18 +240,20 @@ class Projections:
 
         Returns `[features, dim]` (or `[batch, features, dim]`) so that `rows @ P` projects rows,
         or None for a side this kind keeps exact (`keeps_side`): its rows are used as they are.
+        `dim` is the target's own (`target_dims`) or the model-wide one.
         """
-        if keeps_side(self.kind, features, self.dim):
+        dim = self.target_dims.get(name, self.dim)
+        if keeps_side(self.kind, features, dim):
             return None
         key = (name, side)
         mat = self._mats.get(key)
         if mat is None:
             full = f"{name}/{side}"
             family = LEGACY_PROJECTION if self.kind == LEGACY_PROJECTION else PROJECTION_V1  # v1 and v2 share
-            ckey = (family, full, self.dim, features, batch, self.seed, str(self.device), self.dtype)
+            ckey = (family, full, dim, features, batch, self.seed, str(self.device), self.dtype)
 
             def make() -> torch.Tensor:
-                m = projection_matrix(full, self.dim, features, self.seed, batch, self.kind, self.device)
+                m = projection_matrix(full, dim, features, self.seed, batch, self.kind, self.device)
                 return m.transpose(-1, -2).contiguous().to(self.dtype)
 
             mat = self._mats[key] = _CACHE.get(ckey, make)

@@ -43,7 +43,7 @@ from moe_attrib.curvature.ekfac import EKFAC, Factor
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.indexing.index import INDEX_DTYPES, Block
 from moe_attrib.model.discovery import CoverageReport, iter_entries
-from moe_attrib.settings import DEFAULT_BUDGET
+from moe_attrib.settings import DEFAULT_BUDGET, output_dims
 
 EIGENBASIS = "ekfac-eigen-v1"  # recorded as settings["eigenbasis"]["kind"]
 BASIS_FILE = "eigenbasis.safetensors"
@@ -215,9 +215,17 @@ class EigenPlan:
     """The eigenbasis column plan of an index: targets in plan order, blocks, the collector's projector
     and the rows' flattening. Built from factors (`plan_eigenbasis`) or read from an index (`load_plan`)."""
 
-    def __init__(self, targets: list[EigenTarget], sketch_dim: int | None, seed: int, projection: str):
+    def __init__(
+        self,
+        targets: list[EigenTarget],
+        sketch_dim: int | None,
+        seed: int,
+        projection: str,
+        target_dims: dict[str, int] | None = None,
+    ):
         self.targets = targets
         self.sketch_dim = sketch_dim
+        self.target_dims = dict(target_dims or {})  # targets the factors sketched at their own dimension
         self.seed = seed
         self.projection = projection
         self._by_block = {t.block: t for t in targets}
@@ -253,7 +261,9 @@ class EigenPlan:
             if side == "in" and t.bias:
                 q = q[..., :-1, :]
             if self.sketch_dim:
-                sketch = Projections(self.sketch_dim, self.seed, like.device, torch.float32, self.projection)
+                sketch = Projections(
+                    self.sketch_dim, self.seed, like.device, torch.float32, self.projection, self.target_dims
+                )
                 p = sketch.get(name, side, features, batch)
                 if p is not None:
                     q = p @ q
@@ -370,7 +380,7 @@ def plan_eigenbasis(
         q_in = torch.gather(f.QA.detach().cpu(), -1, _expand(order_in[..., :k_in], f.QA))
         q_out = torch.gather(f.QG.detach().cpu(), -1, _expand(order_out[..., :k_out], f.QG))
         targets.append(EigenTarget(block, names, f.transposed, f.bias, mine, q_in, q_out))
-    return EigenPlan(targets, ekfac.projection_dim, ekfac.seed, ekfac.projection)
+    return EigenPlan(targets, ekfac.projection_dim, ekfac.seed, ekfac.projection, ekfac.target_dims(report))
 
 
 def _expand(order: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -428,4 +438,6 @@ def index_plan(path: str | Path, settings: dict, report: CoverageReport) -> Eige
     an index of seeded projections."""
     if not settings.get("eigenbasis"):
         return None
-    return with_names(load_plan(path, settings), report)
+    plan = with_names(load_plan(path, settings), report)
+    plan.target_dims = output_dims(report.output_layer, plan.sketch_dim, settings.get("output_projection_dim"))
+    return plan

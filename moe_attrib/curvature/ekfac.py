@@ -31,7 +31,13 @@ from torch import nn
 from moe_attrib.collect.capture import BatchInfo, CaptureRecord
 from moe_attrib.collect.collector import GradientCollector
 from moe_attrib.collect.loop import CollectionLoop, Progress, Step
-from moe_attrib.collect.projection import PROJECTION, Projections, check_kind, projection_kind, side_width
+from moe_attrib.collect.projection import (
+    PROJECTION,
+    Projections,
+    check_kind,
+    projection_kind,
+    side_width,
+)
 from moe_attrib.data import Example, token_batches
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.fingerprint import model_fingerprint
@@ -48,6 +54,8 @@ from moe_attrib.settings import (  # noqa: F401 (re-exported)
     CollectSettings,
     EkfacSettings,
     check_version,
+    output_dims,
+    own_output_dim,
     resolve,
 )
 
@@ -121,6 +129,15 @@ class EKFAC:
         """The projection kind the factors were fitted with (legacy when the settings predate the key)."""
         return projection_kind(self.settings)
 
+    @property
+    def output_projection_dim(self) -> int | None:
+        """The output layer's own projection dimension (None: `projection_dim`, as before the key existed)."""
+        return self.settings.get("output_projection_dim")
+
+    def target_dims(self, report: CoverageReport) -> dict[str, int]:
+        """The targets of `report` the factors project to their own dimension (`output_dims`)."""
+        return output_dims(report.output_layer, self.projection_dim, self.output_projection_dim)
+
     def precondition(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         return self.factors[name].precondition(grad)
 
@@ -172,8 +189,8 @@ def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> E
         parts = [load_ekfac(p, device) for p in path]
         merged = EKFAC(projection_dim=parts[0].projection_dim, seed=parts[0].seed, settings=parts[0].settings)
         for p, part in zip(path, parts, strict=True):
-            key = (part.projection_dim, part.seed, part.projection)
-            if key != (merged.projection_dim, merged.seed, merged.projection):
+            key = (part.projection_dim, part.seed, part.projection, part.output_projection_dim)
+            if key != (merged.projection_dim, merged.seed, merged.projection, merged.output_projection_dim):
                 raise ValueError(f"{p}: projection settings differ from {path[0]}; partitions must share them.")
             overlap = set(part.factors) & set(merged.factors)
             if overlap:
@@ -206,14 +223,22 @@ def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> E
     return out
 
 
-def _dims(report: CoverageReport, p: int | None, fold_bias: bool = False, kind: str = PROJECTION) -> list[tuple]:
+def _dims(
+    report: CoverageReport,
+    p: int | None,
+    fold_bias: bool = False,
+    kind: str = PROJECTION,
+    target_dims: dict[str, int] | None = None,
+) -> list[tuple]:
     """(name, transposed, experts, input dim, output dim, bias folded) of every factor, each side's
-    dim its width in the projected space of `kind`; a folded bias adds the ones column to the input dim."""
+    dim its width in the projected space of `kind` (a target of `target_dims` at its own dimension);
+    a folded bias adds the ones column to the input dim."""
     biased = {e.block for e in iter_entries(report.targets) if e.kind == "bias"} if fold_bias else set()
+    dims = target_dims or {}
     out = []
 
-    def width(features: int) -> int:
-        return side_width(kind, features, p)
+    def width(features: int, name: str) -> int:
+        return side_width(kind, features, dims.get(name, p))
 
     for t in report.targets:
         if t.kind == "experts":
@@ -222,12 +247,12 @@ def _dims(report: CoverageReport, p: int | None, fold_bias: bool = False, kind: 
                 fin, fout = lay.features(proj)
                 name = f"{lay.name}.{proj}"
                 fold = name in biased
-                out.append((name, lay.transposed, lay.num_experts, width(fin) + fold, width(fout), fold))
+                out.append((name, lay.transposed, lay.num_experts, width(fin, name) + fold, width(fout, name), fold))
         else:
             rows, cols = t.module.weight.shape
             fin, fout = (rows, cols) if t.transposed else (cols, rows)
             fold = t.name in biased
-            out.append((t.name, t.transposed, None, width(fin) + fold, width(fout), fold))
+            out.append((t.name, t.transposed, None, width(fin, t.name) + fold, width(fout, t.name), fold))
     return out
 
 
@@ -236,11 +261,12 @@ def memory_plan(
     projection_dim: int | None,
     fold_bias: bool = DEFAULT_FOLD_BIAS,
     projection: str = PROJECTION,
+    target_dims: dict[str, int] | None = None,
 ) -> dict:
     """Bytes of float64 factors (A, G, eigenbases, eigenvalues, Lambda) per module kind and in total."""
     kinds = {t.name if t.kind != "experts" else f"{t.layout.name}": t.kind for t in report.targets}
     per_kind: dict[str, int] = {}
-    for name, _transposed, experts, a, g, _fold in _dims(report, projection_dim, fold_bias, projection):
+    for name, _transposed, experts, a, g, _fold in _dims(report, projection_dim, fold_bias, projection, target_dims):
         e = experts or 1
         size = 8 * e * (2 * a * a + 2 * g * g + a + g + a * g)
         kind = "experts" if experts else kinds.get(name, "linear")
@@ -369,7 +395,8 @@ def fit_ekfac(
     dist = dist or Dist(0, 1, device)
     weights = model_fingerprint(model)  # before any expansion; recorded in ekfac.json
     report = discover(model, track_moe_experts=track_moe_experts, filter_modules=filter_modules, warn=dist.is_main)
-    plan = memory_plan(report, projection_dim, fold_bias, projection)
+    target_dims = output_dims(report.output_layer, projection_dim, st.output_projection_dim)
+    plan = memory_plan(report, projection_dim, fold_bias, projection, target_dims)
     if dist.is_main and progress:
         print(format_plan(plan))
     if max_memory_gib is not None and plan["total"] > max_memory_gib * 2**30:
@@ -380,7 +407,7 @@ def fit_ekfac(
         )
     fdev = torch.device(factor_device)
     factors: dict[str, Factor] = {}
-    for name, transposed, experts, a, g, fold in _dims(report, projection_dim, fold_bias, projection):
+    for name, transposed, experts, a, g, fold in _dims(report, projection_dim, fold_bias, projection, target_dims):
         lead = (experts,) if experts else ()
         factors[name] = Factor(
             name,
@@ -407,6 +434,7 @@ def fit_ekfac(
         row_sink=lambda records, batch: sink(records, batch) if loop.step.real else None,  # filler: nothing
         projection=projection,
         recompute=recompute,
+        target_dims=target_dims,
     ) as collector:
         gen_state = torch.random.get_rng_state()
         run(collector, "ekfac covariances", lambda step, out: None)  # the row sink accumulates
@@ -421,7 +449,11 @@ def fit_ekfac(
         shape = (f.QA.shape[-1], f.QG.shape[-1]) if f.transposed else (f.QG.shape[-1], f.QA.shape[-1])
         f.lam = torch.zeros(*f.tokens.shape, *shape, dtype=torch.float64, device=fdev)
 
-    proj = Projections(projection_dim, seed, dist.device, torch.float32, projection) if projection_dim else None
+    proj = (
+        Projections(projection_dim, seed, dist.device, torch.float32, projection, target_dims)
+        if projection_dim
+        else None
+    )
 
     rotations: dict[tuple, torch.Tensor] = {}
 
@@ -471,7 +503,8 @@ def fit_ekfac(
         seed,
         {"damping": damping, "damping_scope": damping_scope, "sampled_labels": sampled_labels, "fold_bias": fold_bias,
          "examples": int(total), "track_moe_experts": track_moe_experts, "filter_modules": filter_modules,
-         "model_fingerprint": weights, "projection": projection},
+         "model_fingerprint": weights, "projection": projection,
+         "output_projection_dim": own_output_dim(projection_dim, st.output_projection_dim)},
     )  # fmt: skip
     if out is not None and dist.is_main:
         result.save(out)

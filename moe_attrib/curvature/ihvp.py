@@ -337,7 +337,7 @@ def to_index_columns(index: Index, report: CoverageReport, entries: list[Entry],
     st = index.settings.collect
     p, kind = st.projection_dim, projection_kind(index.manifest["settings"])
     device = vectors[0].device
-    proj = Projections(p, st.seed, device, torch.float32, kind) if p else None
+    proj = Projections(p, st.seed, device, torch.float32, kind, st.target_dims(report.output_layer)) if p else None
     grads = {}
     for e, v in zip(entries, vectors, strict=True):
         v = v.float()
@@ -412,7 +412,8 @@ def refine_queries(
     if st.optimizer_state:
         raise RefineError(f"index {index.path} normalises rows by optimizer state; refinement supports plain rows.")
     report = discover(model, track_moe_experts=st.track_moe_experts, filter_modules=st.filter_modules, warn=False)
-    blocks = column_plan(report, st.projection_dim, st.expert_blocks, projection_kind(recorded))
+    kind, target_dims = projection_kind(recorded), st.target_dims(report.output_layer)
+    blocks = column_plan(report, st.projection_dim, st.expert_blocks, kind, target_dims)
     if [(b.name, b.start, b.stop) for b in blocks] != [(b.name, b.start, b.stop) for b in index.blocks]:
         raise RefineError(f"the model's tracked modules do not match the index {index.path}; use its model.")
     entries = tracked_entries(model, report)

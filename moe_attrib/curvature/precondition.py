@@ -43,6 +43,12 @@ def precondition_queries(
             f"uses projection_dim={index_settings['projection_dim']}, seed={index_settings['seed']}; refit with "
             "`moe-attrib ekfac --projection_dim P --seed S` matching the index."
         )
+    if projected and ekfac.output_projection_dim != index_settings.get("output_projection_dim"):
+        raise ScoreError(
+            f"EK-FAC factors were fitted with output_projection_dim={ekfac.output_projection_dim} but the index uses "
+            f"{index_settings.get('output_projection_dim')} (None: the output layer projected like every block); "
+            "refit with `moe-attrib ekfac --index DIR` (it takes the index's)."
+        )
     if projected and ekfac.projection != projection_kind(index_settings):
         raise ScoreError(
             f"EK-FAC factors were fitted with projection {ekfac.projection!r} but the index uses "

@@ -109,13 +109,18 @@ def _entries(report: CoverageReport):
 
 
 def column_plan(
-    report: CoverageReport, projection_dim: int | None, expert_blocks: str, projection: str = PROJECTION
+    report: CoverageReport,
+    projection_dim: int | None,
+    expert_blocks: str,
+    projection: str = PROJECTION,
+    target_dims: dict[str, int] | None = None,
 ) -> list[Block]:
     """Column blocks in target order: each side of a weight (and a bias's one side) takes
     `side_width(projection, features, p)` columns: p for a projected side, its own width for a
     side the kind keeps exact (`rademacher-hash-v2`: a side no wider than p; v1 and legacy
     indexes: none, every weight p*p, every bias p). With `projection_dim=None` (exact rows)
-    each block has its parameter's (one expert's) shape. `projection`: the index's kind.
+    each block has its parameter's (one expert's) shape. `projection`: the index's kind. `target_dims`:
+    targets projected to their own dimension instead of p (the output layer's `output_projection_dim`).
 
     `expert_blocks="separate"` gives every expert its own blocks
     (`<experts>.expert_<i>.<proj>.weight`); `"sum"` sums a layer's independently projected
@@ -124,6 +129,7 @@ def column_plan(
     if expert_blocks not in ("separate", "sum"):
         raise ValueError(f"expert_blocks must be 'separate' or 'sum', not {expert_blocks!r}")
     p = projection_dim
+    dims = target_dims or {}
     blocks: list[Block] = []
     col = 0
 
@@ -134,7 +140,8 @@ def column_plan(
         col += size
 
     for grads_key, lay, proj, key, exact in _entries(report):
-        shape = exact if p is None else tuple(side_width(projection, d, p) for d in exact)
+        block = grads_key.rsplit(".", 1)[0]
+        shape = exact if p is None else tuple(side_width(projection, d, dims.get(block, p)) for d in exact)
         if lay is not None and expert_blocks == "separate":
             for i in range(lay.num_experts):
                 add(f"{lay.expert_name(i, proj)}.{key}", shape)

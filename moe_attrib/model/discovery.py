@@ -138,6 +138,7 @@ class CoverageReport:
     param_sizes: dict[str, int] = field(default_factory=dict)
     track_moe_experts: bool = True
     unsupported: dict[str, str] = field(default_factory=dict)  # experts-like module -> why it cannot be read
+    output_layer: str | None = None  # the target that is the model's output layer (`get_output_embeddings`)
 
     @property
     def coverage(self) -> float:
@@ -313,6 +314,9 @@ def discover(
                     skipped[n] = reason
 
     tracked = [name for t in targets for name in t.tracked_names]
+    getter = getattr(model, "get_output_embeddings", None)  # absent on models that are not transformers'
+    head = getter() if callable(getter) else None
+    output_layer = next((t.name for t in targets if head is not None and t.module is head), None)
     report = CoverageReport(
         tracked=tracked,
         skipped=skipped,
@@ -325,6 +329,7 @@ def discover(
         param_sizes=sizes,
         track_moe_experts=track_moe_experts,
         unsupported=unsupported,
+        output_layer=output_layer,
     )
     if warn and experts and not track_moe_experts:
         warn_skipped_experts(report)

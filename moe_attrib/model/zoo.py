@@ -122,12 +122,12 @@ def tiny_config(family: str, **overrides) -> PretrainedConfig:
     for key, value in {**COMMON, **FAMILY_OVERRIDES[family], **overrides}.items():
         if hasattr(text, key) or key in FAMILY_OVERRIDES[family] or key in overrides:
             setattr(text, key, value)
-    # per-layer lists the full-size default filled for its own depth: keep the first layers' entries, as the
-    # model built here uses, so the config also passes `save_pretrained`'s validation
+    # per-layer lists sized for another depth (the full-size default's, or the overrides' two layers): the
+    # pattern repeated or cut to this depth, so every layer has an entry and `save_pretrained` validates
     for key in ("layer_types", "mlp_layer_types"):
         kinds, depth = getattr(text, key, None), getattr(text, "num_hidden_layers", None)
-        if isinstance(kinds, list) and isinstance(depth, int) and len(kinds) > depth:
-            setattr(text, key, kinds[:depth])
+        if isinstance(kinds, list) and kinds and isinstance(depth, int) and len(kinds) != depth:
+            setattr(text, key, [kinds[i % len(kinds)] for i in range(depth)])
     return config
 
 

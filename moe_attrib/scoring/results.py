@@ -50,6 +50,8 @@ def index_fingerprint(index: Index) -> str:
     keys = ("model_fingerprint", "data_fingerprint", "tokenizer_fingerprint", "projection_dim", "seed", "projection",
             "expert_blocks", "track_moe_experts", "filter_modules", "attribute_tokens")  # fmt: skip
     what = {k: st.get(k) for k in keys}
+    if st.get("output_projection_dim") is not None:  # absent before the output layer had a width of its own
+        what["output_projection_dim"] = st["output_projection_dim"]
     what.update(optimizer_state=bool(st.get("optimizer_state")), index_dtype=st.get("index_dtype", "float32"))
     what.update(rows=m["rows"], dim=m["dim"], expert_layers=m.get("expert_layers", []))
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]

@@ -333,7 +333,8 @@ def query_gradients(
     report = discover(model, track_moe_experts=st.track_moe_experts, filter_modules=st.filter_modules, warn=False)
     kind = projection_kind(recorded)
     plan = index_plan(index.path, recorded, report)  # None: seeded projections
-    blocks = plan.blocks if plan else column_plan(report, st.projection_dim, st.expert_blocks, kind)
+    target_dims = st.target_dims(report.output_layer)
+    blocks = plan.blocks if plan else column_plan(report, st.projection_dim, st.expert_blocks, kind, target_dims)
     if [(b.name, b.start, b.stop) for b in blocks] != [(b.name, b.start, b.stop) for b in index.blocks]:
         raise ScoreError(
             f"the model's tracked modules do not match the index {index.path} (built from {index.settings.model!r}); "
@@ -346,7 +347,9 @@ def query_gradients(
     if plan is not None:
         collector = GradientCollector(model, report, projector=plan.projector)
     else:
-        collector = make_collector(model, report, st.projection_dim, st.seed, st.optimizer_state, kind)
+        collector = make_collector(
+            model, report, st.projection_dim, st.seed, st.optimizer_state, kind, target_dims=target_dims
+        )
 
     def keep(step: Step, grads) -> None:
         positions = step.positions

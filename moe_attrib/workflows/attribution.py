@@ -47,6 +47,7 @@ from moe_attrib.settings import (
     EkfacSettings,
     RefineSettings,
     ScoreSettings,
+    own_output_dim,
 )
 from moe_attrib.workflows.checks import (
     UsageError,
@@ -207,9 +208,12 @@ def index_collection(index: str | Path | None, collect: CollectSettings | None, 
     recorded = idx.manifest["settings"]
     st = idx.settings.collect
     own = {"projection_dim": st.projection_dim, "seed": st.seed, "projection": projection_kind(recorded),
-           "track_moe_experts": bool(st.track_moe_experts), "filter_modules": st.filter_modules}  # fmt: skip
+           "track_moe_experts": bool(st.track_moe_experts), "filter_modules": st.filter_modules,
+           "output_projection_dim": own_output_dim(st.projection_dim, st.output_projection_dim)}  # fmt: skip
     collect = collect or CollectSettings(**own)
-    differ = [k for k, v in own.items() if getattr(collect, k) != v]
+    given = {**collect.to_dict(), "output_projection_dim": own_output_dim(collect.projection_dim,
+                                                                          collect.output_projection_dim)}  # fmt: skip
+    differ = [k for k, v in own.items() if given[k] != v]
     if differ:
         raise UsageError(f"{', '.join(differ)} differ from the index {index}'s; fit its factors with its settings.")
     if precision == "auto":  # the index's weights fingerprint is of the model in the index's dtype
@@ -282,7 +286,7 @@ def sharding_plan(model, dist, st: CollectSettings, factors: bool, say) -> None:
     from moe_attrib.workflows.plan import format_memory_plan, memory_plan
 
     plan = memory_plan(model, dist.world, st.token_batch_size, st.projection_dim, st.track_moe_experts, factors,
-                       st.projection, st.recompute)  # fmt: skip
+                       st.projection, st.recompute, st.output_projection_dim)  # fmt: skip
     say(format_memory_plan(plan))
 
 

@@ -31,7 +31,14 @@ from moe_attrib.indexing.index import FORMAT_VERSION, IndexWriter, column_plan, 
 from moe_attrib.model.discovery import discover
 from moe_attrib.model.distributed import Dist
 from moe_attrib.model.sharding import is_sharded
-from moe_attrib.settings import AUTO_MIN_BATCHES, SETTINGS_VERSION, CollectSettings, resolve
+from moe_attrib.settings import (
+    AUTO_MIN_BATCHES,
+    SETTINGS_VERSION,
+    CollectSettings,
+    output_dims,
+    own_output_dim,
+    resolve,
+)
 
 
 class NonFiniteGradientError(MoeAttribError, ValueError):
@@ -119,13 +126,16 @@ def build_index(
         check_eigenbasis(ekfac, weights, expert_blocks, optimizer_state)
         plan = plan_eigenbasis(report, ekfac, budget, index_dtype)
         projection_dim, seed, projection = ekfac.projection_dim, ekfac.seed, ekfac.projection
+        output_projection_dim, target_dims = ekfac.output_projection_dim, ekfac.target_dims(report)
         blocks = plan.blocks
         if not blocks:
             raise ValueError(f"a budget of {budget} bytes per example buys no column in {index_dtype}.")
     elif budget is not None:
         raise ValueError("budget= allocates eigen-directions of EK-FAC factors: pass ekfac= (build --ekfac DIR).")
     else:
-        blocks = column_plan(report, projection_dim, expert_blocks, projection)
+        output_projection_dim = own_output_dim(projection_dim, st.output_projection_dim)
+        target_dims = output_dims(report.output_layer, projection_dim, output_projection_dim)
+        blocks = column_plan(report, projection_dim, expert_blocks, projection, target_dims)
     batches = token_batches(examples, token_batch_size)
     layers = len(report.experts) if track_moe_experts else 0
     width = max((lay.num_experts for lay in report.experts), default=0) if track_moe_experts else 0
@@ -135,6 +145,7 @@ def build_index(
         "data_fingerprint": fingerprint(examples),
         "rows": len(examples),
         "projection_dim": projection_dim,
+        "output_projection_dim": output_projection_dim,
         "seed": seed,
         "projection": projection,
         "expert_blocks": expert_blocks,
@@ -178,7 +189,9 @@ def build_index(
     if plan is not None:
         collector = GradientCollector(model, report, projector=plan.projector, recompute=recompute)
     else:
-        collector = make_collector(model, report, projection_dim, seed, optimizer_state, projection, recompute)
+        collector = make_collector(
+            model, report, projection_dim, seed, optimizer_state, projection, recompute, target_dims
+        )
     if dist.is_main:
         writer = IndexWriter(
             index, manifest, resume=resume, token_offsets=offsets, overwrite=overwrite, index_dtype=index_dtype, **shape

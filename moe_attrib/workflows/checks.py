@@ -104,6 +104,13 @@ def check_ekfac_dirs(dirs: list[str], settings: dict, index_path: str) -> None:
                 f"{index_path} uses projection_dim={settings['projection_dim']}, seed={settings['seed']}; refit with "
                 f"`moe-attrib ekfac ... --index {index_path}`."
             )
+        outputs = (settings.get("output_projection_dim"), info.get("settings", {}).get("output_projection_dim"))
+        if settings["projection_dim"] is not None and outputs[0] != outputs[1]:
+            raise UsageError(
+                f"--ekfac {d}: fitted with output_projection_dim={outputs[1]} but the index {index_path} uses "
+                f"{outputs[0]} (None: the output layer projected like every block); refit with "
+                f"`moe-attrib ekfac ... --index {index_path}`."
+            )
         kinds = (projection_kind(settings), projection_kind(info.get("settings", {})))
         if settings["projection_dim"] is not None and kinds[0] != kinds[1]:
             raise UsageError(

@@ -17,6 +17,7 @@ from moe_attrib.collect.projection import PROJECTION, side_width
 from moe_attrib.curvature.ekfac import memory_plan as factor_plan
 from moe_attrib.model.discovery import discover
 from moe_attrib.model.sharding import decoder_layers, is_dtensor
+from moe_attrib.settings import output_dims
 from moe_attrib.workflows.checks import UsageError
 
 
@@ -29,6 +30,7 @@ def memory_plan(
     factors: bool = False,
     projection: str = PROJECTION,
     recompute: bool = False,
+    output_projection_dim: int | None = None,
 ) -> dict[str, int]:
     """Bytes per rank of a sharded collection run: parameter shards, the gathered layers, activations
     kept for the backward (an estimate from the config; with `recompute`, each layer's input plus one
@@ -67,7 +69,10 @@ def memory_plan(
         )
         plan["routed grid rows"] += token_batch_size * top_k * width * 4
     if factors:
-        plan["EK-FAC factors (float64)"] = factor_plan(report, projection_dim, projection=projection)["total"]
+        dims = output_dims(report.output_layer, projection_dim, output_projection_dim)
+        plan["EK-FAC factors (float64)"] = factor_plan(report, projection_dim, projection=projection, target_dims=dims)[
+            "total"
+        ]
     plan["world"] = world
     return plan
 

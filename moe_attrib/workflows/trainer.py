@@ -41,6 +41,7 @@ from moe_attrib.fingerprint import tokenizer_fingerprint
 from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM
 from moe_attrib.model.distributed import Dist
 from moe_attrib.model.sharding import is_sharded
+from moe_attrib.settings import DEFAULT_OUTPUT_PROJECTION_DIM
 from moe_attrib.workflows.build import build_index
 
 ATTRIBUTION = "attribution"  # inside each checkpoint directory
@@ -216,6 +217,7 @@ class AttributionCheckpointer:
         tokenizer=None,
         save_model: bool = True,
         projection_dim: int | None = DEFAULT_PROJECTION_DIM,
+        output_projection_dim: int | None = DEFAULT_OUTPUT_PROJECTION_DIM,
         seed: int = 0,
         ekfac: bool = True,
         track_moe_experts: bool = True,
@@ -239,6 +241,7 @@ class AttributionCheckpointer:
         self.build_opts = dict(
             track_moe_experts=track_moe_experts,
             projection_dim=projection_dim,
+            output_projection_dim=output_projection_dim,
             seed=seed,
             token_batch_size=token_batch_size,
         )
@@ -393,6 +396,7 @@ class AttributionCallback(TrainerCallback):
 CHECKPOINTER_OPTIONS = {
     "tokenizer",
     "projection_dim",
+    "output_projection_dim",
     "seed",
     "ekfac",
     "track_moe_experts",
