@@ -237,7 +237,7 @@ class GradientCollector:
         per-example gradients (EK-FAC's covariances). `projection`: the kind of seeded projection
         (`moe_attrib.collect.projection`; an index's own kind), which with `projection_dim` also sets the
         shape of a block that received no gradient (zeros) when a `projector` is given. `target_dims`: targets
-        projected to their own dimension instead of `projection_dim` (`moe_attrib.collect.projection.output_dims`).
+        projected to their own dimension instead of `projection_dim` (`moe_attrib.settings.output_dims`).
         `recompute=True` keeps only each decoder layer's inputs and runs its forward again in the
         backward (`moe_attrib.model.recompute`): the same rows for far less activation memory, one more forward.
         `fused_head=True` computes the output layer with the loss in row chunks (`moe_attrib.collect.head`)

@@ -22,10 +22,10 @@ directories written before the kind was recorded (no `projection` key in their s
 built with it and keep using it (`projection_kind`).
 
 One block may be given its own dimension: `target_dims` maps a target's name to the p its sides
-are projected to instead of the model-wide one. New indexes give the output layer (`lm_head`) its own,
-`output_projection_dim` (`moe_attrib.settings.output_dims`): its vocabulary side carries the signal that
-a p=32 sketch loses most of (docs/quality.md#output-layer-width). A target's matrices depend on its own
-p alone.
+are projected to instead of the model-wide one. An index may give the output layer (`lm_head`) its own,
+`output_projection_dim` (`moe_attrib.settings.output_dims`): on a large vocabulary that side carries the
+signal a p=32 sketch loses most of (docs/quality.md#output-layer-width). A target's matrices depend on its
+own p alone.
 
 Matrices are cached per (kind, name, shape, seed, device, dtype) across collectors of one
 process, bounded by a memory budget (`set_cache_budget`), so `score` after `build`, or repeated
