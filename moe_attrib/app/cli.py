@@ -179,14 +179,6 @@ def index_projection(args: argparse.Namespace):
         args.no_projection = st.projection_dim is None
     if args.seed is None:
         args.seed = st.seed
-    index_output = own_output_dim(st.projection_dim, st.output_projection_dim)
-    if args.output_projection_dim is None:  # the index's; none of its own: like every block
-        args.output_projection_dim = index_output or st.projection_dim
-    if own_output_dim(projection(args), args.output_projection_dim) != index_output:
-        raise UsageError(
-            f"--output_projection_dim {args.output_projection_dim} differs from the index {args.index}'s "
-            f"({index_output or 'that of every block'}); leave it out to use the index's."
-        )
     args.projection_kind = projection_kind(index.manifest["settings"])
     if args.precision == "auto":  # the index's weights fingerprint is of the model in the index's dtype
         args.precision = PRECISIONS.get(made.dtype, "auto")
@@ -194,6 +186,14 @@ def index_projection(args: argparse.Namespace):
         raise UsageError(
             f"--projection_dim {args.projection_dim} --seed {args.seed} differ from the index {args.index} "
             f"(projection_dim {st.projection_dim}, seed {st.seed}); leave them out to use the index's."
+        )
+    index_output = own_output_dim(st.projection_dim, st.output_projection_dim)
+    if args.output_projection_dim is None:  # the index's; none of its own: like every block
+        args.output_projection_dim = index_output or projection(args)
+    if own_output_dim(projection(args), args.output_projection_dim) != index_output:
+        raise UsageError(
+            f"--output_projection_dim {args.output_projection_dim} differs from the index {args.index}'s "
+            f"({index_output or 'that of every block'}); leave it out to use the index's."
         )
     if args.track_moe_experts != st.track_moe_experts:
         if args.track_moe_experts:
