@@ -100,6 +100,17 @@ def mean_over(
         print(f"  {label:24s} {mean:.3f}  this - {base} [{lo:+.3f}, {hi:+.3f}]  worst configuration {worst:+.3f}")
 
 
+def means_by_set(
+    per_config: dict[str, dict[str, np.ndarray]], asked: list[str], sets: tuple, base: str = RULES[0][0]
+) -> None:
+    """`mean_over` for each `(title, names)` of `sets`, over the names that were asked for and are in the file."""
+    for title, names in sets:
+        have = [n for n in names if n in per_config and n in asked]
+        if have:
+            print(f"== mean over the {title} configurations ({', '.join(have)})")
+            mean_over(per_config, have, base)
+
+
 def main() -> None:
     parser = lds.cached_configs_parser(__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(lds.ROOT / "benchmarks" / "results" / "lds-damping.npz"))
@@ -112,11 +123,7 @@ def main() -> None:
     torch.set_num_threads(2)
     configs = [] if args.summary else args.configs
     per_config = lds.accumulate(Path(args.out), configs, lambda name: run(name, Path(args.cache), only))
-    for title, names in (("tuning", lds.TUNING), ("held out", lds.HELDOUT)):
-        have = [n for n in names if n in per_config and n in args.configs]
-        if have:
-            print(f"== mean over the {title} configurations ({', '.join(have)})")
-            mean_over(per_config, have)
+    means_by_set(per_config, args.configs, (("tuning", lds.TUNING), ("held out", lds.HELDOUT)))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
-from lds_damping import mean_over  # noqa: E402
+from lds_damping import means_by_set  # noqa: E402
 
 from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 
@@ -135,11 +135,7 @@ def main() -> None:
             print(peers_table(per_config, names))
         return
     sets = (("tuning", lds.TUNING), ("earlier held-out", lds.HELDOUT), ("held-out for this choice", lds.HELDOUT_HEAD))
-    for title, names in sets:
-        have = [n for n in names if n in per_config and n in args.configs]
-        if have:
-            print(f"== mean over the {title} configurations ({', '.join(have)})")
-            mean_over(per_config, have, BEFORE)
+    means_by_set(per_config, args.configs, sets, BEFORE)
 
 
 if __name__ == "__main__":

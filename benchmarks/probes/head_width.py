@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 import lds  # noqa: E402
-from lds_damping import mean_over  # noqa: E402
+from lds_damping import means_by_set  # noqa: E402
 
 
 def standardised(scores) -> np.ndarray:
@@ -68,11 +68,7 @@ def main() -> None:
     torch.set_num_threads(2)
     configs = [] if args.summary else args.configs
     per_config = lds.accumulate(Path(args.out), configs, lambda name: run(name, Path(args.cache)))
-    for title, names in (("tuning", lds.TUNING), ("held out", lds.HELDOUT)):
-        have = [n for n in names if n in per_config and n in args.configs]
-        if have:
-            print(f"== mean over the {title} configurations ({', '.join(have)})")
-            mean_over(per_config, have, DEFAULT)
+    means_by_set(per_config, args.configs, (("tuning", lds.TUNING), ("held out", lds.HELDOUT)), DEFAULT)
 
 
 if __name__ == "__main__":

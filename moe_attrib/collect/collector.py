@@ -462,20 +462,12 @@ def make_collector(
     """The collector an index is built with: seeded projections of kind `projection` (`target_dims`: targets
     with their own dimension), optimizer-normalised if asked; `recompute` runs each decoder layer's forward
     again in the backward (`moe_attrib.model.recompute`)."""
-    if not optimizer_state:
-        return GradientCollector(
-            model,
-            report,
-            projection_dim=projection_dim,
-            seed=seed,
-            projection=projection,
-            recompute=recompute,
-            target_dims=target_dims,
-        )
-    from moe_attrib.collect.normalizers import Normalizer, load_optimizer_state
+    projector = None
+    if optimizer_state:
+        from moe_attrib.collect.normalizers import Normalizer, load_optimizer_state
 
-    normalizer = Normalizer(model, report, load_optimizer_state(optimizer_state, model))
-    projector = normalizer.projector(projection_dim, seed, projection, target_dims)
+        normalizer = Normalizer(model, report, load_optimizer_state(optimizer_state, model))
+        projector = normalizer.projector(projection_dim, seed, projection, target_dims)
     return GradientCollector(
         model,
         report,
