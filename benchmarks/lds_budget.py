@@ -7,17 +7,22 @@ example (stored columns x bytes per value), its LDS with a bootstrap CI, and the
 CIs of its difference to today's default index (seeded projections, p=32, float32) and to exact
 rows. Eigenbasis rows (`build_index(ekfac=, budget=)`) use factors fitted with the sketch
 `--sketch` (128: every side of these models is kept exact) and budgets given as fractions of the
-default index's bytes, or scaled from the Qwen3-30B-A3B shape (the same columns per weight block as
-256 KiB / 1 MiB there), and 1 MiB itself (more than every direction of these small models):
+default index's bytes, or scaled from the Qwen3-30B-A3B shape, and 1 MiB itself (more than every
+direction of these small models). A scaled budget without floors (`--dense 0`) is the same columns per
+weight block as there; with the allocation's floors (`--dense 32`, the library's, with `--output_floors`) it
+is the same floors per dense block and the same columns per expert block (`scaled_budget`):
 
     nice -n 10 python benchmarks/lds_budget.py cpu cpu-shared
+    nice -n 10 python benchmarks/lds_budget.py NAMES --core --scaled 1MiB --dtypes bfloat16 --output_widths 512
+    python benchmarks/lds_budget.py NAMES --summary TAGS    # table and means over the result files of TAGS
 
-Reads the caches `lds.py` left (`lds.load_cached`); writes benchmarks/results/issue32/lds-budget-NAME.json.
+Reads the caches `lds.py` left (`lds.load_cached`); writes benchmarks/results/issue32/lds-budget-NAME[TAG].json.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 import time
@@ -27,8 +32,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
+import numpy as np  # noqa: E402
+from lds_damping import mean_over  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
+from moe_attrib.curvature import eigenbasis  # noqa: E402
 from moe_attrib.curvature.eigenbasis import parse_bytes  # noqa: E402
 from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 from moe_attrib.model.discovery import iter_entries  # noqa: E402
@@ -38,6 +46,7 @@ FRACTIONS = (1 / 64, 1 / 16, 1 / 4)  # eigenbasis budgets, as fractions of the d
 # eigenbasis budgets scaled from a large model: the same stored columns per weight block as a budget of
 # `bytes` per example on the Qwen3-30B-A3B shape (12,529 weight blocks: `inspect benchmarks/shapes/qwen3-30b-a3b`)
 QWEN3_BLOCKS = 12529
+QWEN3_EXPERT_BLOCKS = 12288  # 48 layers x 128 experts x (gate_up_proj, down_proj); the other 241 are dense blocks
 SCALED = ("256KiB", "1MiB")  # Qwen3-30B-A3B budgets the eigenbasis budgets are scaled from (--scaled)
 OUT = Path(__file__).parent / "results" / "issue32"
 DEFAULT = f"default: projected p={DEFAULT_PROJECTION_DIM}, float32"
@@ -49,27 +58,53 @@ def bytes_per_example(index) -> int:
 
 
 def run(
-    name: str, root: Path, sketch: int, fractions: tuple[float, ...], core: bool = False, scaled: tuple = SCALED
+    name: str,
+    root: Path,
+    sketch: int,
+    fractions: tuple[float, ...],
+    core: bool = False,
+    scaled: tuple = SCALED,
+    allocations: tuple[float, ...] = (eigenbasis.ALLOCATION_DAMPING,),
+    output_widths: tuple[int | None, ...] = (None,),
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    dense: tuple[int, ...] = (0,),
+    output_floors: tuple[int, ...] = (0,),
+    exact: bool = True,
 ) -> dict:
     """Every variant of configuration `name` (`core`: only the default, exact rows and the eigenbasis
-    budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations)."""
+    budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations). The scaled eigenbasis
+    budgets are measured for each allocation damping of `allocations` (x the model-wide mean Lambda,
+    `eigenbasis.ALLOCATION_DAMPING` while the index is planned) and each output-layer sketch width of
+    `output_widths` (the factors' `output_projection_dim`; None: the output layer sketched like every side)
+    and each dense floor of `dense` (`eigenbasis.DENSE_DIRECTIONS`: r x r leading directions for every
+    dense block before the greedy; the budget is then scaled per kind of block: the floors, plus each
+    expert block's share of what the floors leave of the budget on Qwen3-30B-A3B, whose dense blocks
+    all have sides wider than r)."""
     cached = lds.load_cached(name, root)
     model = cached.model()
     subsets, losses, examples, queries = cached.subsets, cached.losses, cached.examples, cached.queries
     results: dict[str, dict] = {}
     factors: dict = {}
 
-    def ekfac(p):
-        if p not in factors:
-            factors[p] = ma.fit_ekfac(model, examples, projection_dim=p, progress=False)
-        return factors[p]
+    def ekfac(p, width=None):
+        if (p, width) not in factors:
+            factors[p, width] = ma.fit_ekfac(
+                model, examples, projection_dim=p, output_projection_dim=width, progress=False
+            )
+        return factors[p, width]
 
     with tempfile.TemporaryDirectory() as tmp:
 
-        def add(label: str, ek, **build) -> None:
+        def add(label: str, ek, allocation: float | None = None, floor: int = 0, out_floor: int = 0, **build) -> None:
             t0 = time.perf_counter()
             path = Path(tmp) / f"index-{len(results)}"
-            ma.build_index(model, examples, path, progress=False, **build)
+            kept = eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor
+            eigenbasis.ALLOCATION_DAMPING = kept[0] if allocation is None else allocation
+            eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = floor, floor_rule(out_floor)
+            try:
+                ma.build_index(model, examples, path, progress=False, **build)
+            finally:
+                eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = kept
             index = ma.load_index(path)
             q = ma.query_gradients(model, queries, index)
             scores = ma.score_matrix(index, q, ekfac=ek, device="cpu")
@@ -80,7 +115,8 @@ def run(
 
         p0 = DEFAULT_PROJECTION_DIM
         add(DEFAULT, ekfac(p0), projection_dim=p0)
-        add(EXACT, ekfac(None), projection_dim=None)
+        if exact:
+            add(EXACT, ekfac(None), projection_dim=None)
         for p in () if core else PS:
             if p != p0:
                 add(f"projected p={p}, float32", ekfac(p), projection_dim=p)
@@ -96,13 +132,63 @@ def run(
                 add(f"eigenbasis, budget {budget} B ({frac:g} x default), {dtype}", ekfac(sketch),
                     ekfac=ekfac(sketch), budget=budget, index_dtype=dtype)  # fmt: skip
         blocks = weight_blocks(model)
-        for qwen3_bytes, dtype in ((parse_bytes(b), dt) for b in scaled for dt in ("float32", "bfloat16")):
-            budget = qwen3_bytes * blocks // QWEN3_BLOCKS
-            label = f"eigenbasis, budget {budget} B (as {qwen3_bytes // 2**10} KiB on Qwen3-30B-A3B), {dtype}"
-            add(label, ekfac(sketch), ekfac=ekfac(sketch), budget=budget, index_dtype=dtype)
-        add("eigenbasis, budget 1 MiB (every direction here), bfloat16", ekfac(sketch), ekfac=ekfac(sketch),
-            budget=2**20, index_dtype="bfloat16")  # fmt: skip
+        for qwen3_bytes, dtype in ((parse_bytes(b), dt) for b in scaled for dt in dtypes):
+            for width in output_widths:
+                ek = ekfac(sketch, width)
+                for r, ro in [(0, 0)] * (0 in dense) + [(r, ro) for r in dense if r for ro in output_floors]:
+                    budget = scaled_budget(qwen3_bytes, dtype, r, ek, blocks, ro, model)
+                    for a in allocations:
+                        label = f"eigenbasis, budget {budget} B (as {qwen3_bytes // 2**10} KiB on Qwen3-30B-A3B)"
+                        label += f", {dtype}"
+                        label += "" if a == eigenbasis.ALLOCATION_DAMPING else f", allocation {a:g} x mean"
+                        label += "" if width is None else f", output sketch {width}"
+                        label += "" if r == 0 else f", dense floor {r}"
+                        label += "" if ro == 0 else f", output floor {floor_label(ro)}"
+                        add(label, ek, allocation=a, floor=r, out_floor=ro, ekfac=ek, budget=budget, index_dtype=dtype)
+        for width in output_widths if exact else ():
+            label = "eigenbasis, budget 1 MiB (every direction here), bfloat16"
+            label += "" if width is None else f", output sketch {width}"
+            add(label, ekfac(sketch, width), ekfac=ekfac(sketch, width), budget=2**20, index_dtype="bfloat16")
     return summarise(name, cached, results)
+
+
+QWEN3_VOCAB = 151936
+
+
+def floor_rule(out_floor: int):
+    """`eigenbasis.output_floor` for an output floor given on the command line: `k > 0` directions, 0 the
+    dense floor, `-k` the vocabulary-scaled clamp(V / k, dense floor, 256) (`-8`: the library's rule)."""
+    if out_floor < 0:
+        return lambda vocab, dense: min(256, max(dense, vocab // -out_floor))
+    return lambda vocab, dense: out_floor or dense
+
+
+def floor_label(out_floor: int) -> str:
+    return f"V/{-out_floor} in [dense, 256]" if out_floor < 0 else str(out_floor)
+
+
+def scaled_budget(qwen3_bytes: int, dtype: str, floor: int, ek, blocks: int, out_floor: int = 0, model=None) -> int:
+    """Bytes per example on this model that buy what `qwen3_bytes` buy on Qwen3-30B-A3B: the same columns per
+    weight block (`floor` 0), or each dense block's `floor x floor` rectangle (the output layer's
+    `out_floor x out_floor`, if given) and each expert block's share of what the 241 dense floors leave of the
+    Qwen3-30B-A3B budget (whose dense blocks all have sides wider than the floors: 2048 hidden, 151k words)."""
+    if floor == 0:
+        return qwen3_bytes * blocks // QWEN3_BLOCKS
+    size = eigenbasis.DTYPE_BYTES[dtype]
+    rule = floor_rule(out_floor)
+    big = rule(QWEN3_VOCAB, floor)
+    taken = (QWEN3_BLOCKS - QWEN3_EXPERT_BLOCKS - 1) * floor**2 + big**2
+    per_expert = (qwen3_bytes // size - taken) / QWEN3_EXPERT_BLOCKS
+    head = ma.discover(model, track_moe_experts=True, warn=False).output_layer
+    vocab = model.get_output_embeddings().weight.shape[0]
+    out = rule(vocab, floor)
+    dense = sum(
+        min(out if name == head else floor, f.lam.shape[-2]) * min(out if name == head else floor, f.lam.shape[-1])
+        for name, f in ek.factors.items()
+        if not f.experts
+    )
+    experts = sum(f.lam.shape[0] for f in ek.factors.values() if f.experts)
+    return int((dense + per_expert * experts) * size)
 
 
 def weight_blocks(model) -> int:
@@ -112,20 +198,22 @@ def weight_blocks(model) -> int:
 
 
 def summarise(name: str, cached, results: dict) -> dict:
-    base, exact = results[DEFAULT]["values"], results[EXACT]["values"]
+    base = results[DEFAULT]["values"]
+    exact = results[EXACT]["values"] if EXACT in results else None  # --no_exact: no differences to exact rows
     out = {"config": name, "title": cached.title, "variants": {}}
     print(f"== {cached.title}")
     print(f"  {'variant':58s} {'B/example':>10s}  LDS [95% CI]            this - default      this - exact")
     for label, r in results.items():
         v = r["values"]
-        ci, d0, d1 = lds.bootstrap(v), lds.bootstrap(v - base), lds.bootstrap(v - exact)
+        ci, d0 = lds.bootstrap(v), lds.bootstrap(v - base)
+        d1 = lds.bootstrap(v - exact) if exact is not None else (float("nan"), float("nan"))
         out["variants"][label] = {
             "bytes_per_example": r["bytes"],
             "lds": float(v.mean()),
             "ci95": ci,
             "minus_default": float((v - base).mean()),
             "minus_default_ci95": d0,
-            "minus_exact": float((v - exact).mean()),
+            "minus_exact": float((v - exact).mean()) if exact is not None else None,
             "minus_exact_ci95": d1,
             "per_query": v.tolist(),
         }
@@ -142,11 +230,76 @@ def markdown(result: dict) -> str:
     ]
     for label, r in result["variants"].items():
         (lo, hi), (a, b), (c, d) = r["ci95"], r["minus_default_ci95"], r["minus_exact_ci95"]
+        vs_exact = "-" if r["minus_exact"] is None else f"{r['minus_exact']:+.3f} [{c:+.3f}, {d:+.3f}]"
         lines.append(
             f"| {label} | {r['bytes_per_example']:,} | {r['lds']:.3f} [{lo:.3f}, {hi:.3f}] | "
-            f"{r['minus_default']:+.3f} [{a:+.3f}, {b:+.3f}] | {r['minus_exact']:+.3f} [{c:+.3f}, {d:+.3f}] |"
+            f"{r['minus_default']:+.3f} [{a:+.3f}, {b:+.3f}] | {vs_exact} |"
         )
     return "\n".join(lines)
+
+
+AS_1MIB = "eigenbasis, (as 1024 KiB on Qwen3-30B-A3B), bfloat16"
+FLOORS = AS_1MIB + ", output sketch 512, dense floor 32, output floor V/8 in [dense, 256]"
+TABLE = {  # the docs' columns: short label -> variant (budgets left out)
+    "eigenbasis, floors (today)": FLOORS,
+    "eigenbasis, no floors (before)": AS_1MIB,
+    "every direction (output sketch 512)": "eigenbasis, budget 1 MiB (every direction here), bfloat16, "
+    "output sketch 512",
+}
+
+
+def merged(names: list[str], tags: list[str]) -> dict[str, dict[str, dict]]:
+    """`{config: {variant without its budget: result}}` from the result files of `tags` (first tag first)."""
+    out: dict[str, dict[str, dict]] = {}
+    for name in names:
+        for tag in tags:
+            path = OUT / f"lds-budget-{name}{tag}.json"
+            if path.exists():
+                for label, r in json.loads(path.read_text())["variants"].items():
+                    out.setdefault(name, {}).setdefault(re.sub(r"budget \d+ B ", "", label), r)
+    return out
+
+
+def table(names: list[str], tags: list[str]) -> str:
+    """Per configuration: bytes per example and LDS of the default index, exact rows and the `TABLE` variants,
+    each with the paired CI of this - default (docs/build.md)."""
+    got = merged(names, tags)
+    head = "| configuration | default p=32, float32 | exact rows | " + " | ".join(TABLE) + " |"
+    lines = [head, "|---" * (3 + len(TABLE)) + "|"]
+    for name in names:
+        v = got.get(name, {})
+        if DEFAULT not in v:
+            continue
+        base = np.array(v[DEFAULT]["per_query"])
+        cells = [f"{v[DEFAULT]['bytes_per_example']:,} B: {base.mean():.3f}"]
+        for key in [EXACT, *TABLE.values()]:
+            if key not in v:
+                cells.append("-")
+                continue
+            x = np.array(v[key]["per_query"])
+            lo, hi = lds.bootstrap(x - base)
+            cells.append(f"{v[key]['bytes_per_example']:,} B: {x.mean():.3f} [{lo:+.3f}, {hi:+.3f}]")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary(names: list[str], tags: list[str]) -> None:
+    """Each variant's mean over the tuning and the held-out configurations among `names` (from the result files
+    of `tags`, merged per configuration; a variant's budget in bytes left out of its label, since it differs per
+    configuration), with paired CIs against the default index and against exact rows."""
+    per_config = {
+        name: {label: np.array(r["per_query"]) for label, r in got.items()} for name, got in merged(names, tags).items()
+    }
+    held = set(lds.HELDOUT) | set(lds.HELDOUT_HEAD)
+    for title, group in (
+        ("tuning", [n for n in names if n not in held]),
+        ("held-out", [n for n in names if n in held]),
+    ):
+        have = [n for n in group if n in per_config]
+        if have:
+            for base in (DEFAULT, EXACT, AS_1MIB):
+                print(f"== mean over the {title} configurations ({', '.join(have)}), against {base}")
+                mean_over(per_config, have, base)
 
 
 def main() -> None:
@@ -157,7 +310,29 @@ def main() -> None:
     parser.add_argument("--core", action="store_true", help="only default, exact and the scaled eigenbasis budgets")
     parser.add_argument("--scaled", nargs="+", default=list(SCALED), help="Qwen3-30B-A3B budgets to scale from")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
+    parser.add_argument("--allocations", type=float, nargs="+", default=[eigenbasis.ALLOCATION_DAMPING],
+                        help="allocation dampings (x the model-wide mean Lambda) of the scaled budgets")  # fmt: skip
+    parser.add_argument("--output_widths", type=int, nargs="+", default=[0],
+                        help="the factors' output-layer sketch widths (0: as every side)")  # fmt: skip
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="dtypes of the scaled budgets")
+    parser.add_argument("--dense", type=int, nargs="+", default=[0, eigenbasis.DENSE_DIRECTIONS],
+                        help="dense floors r (r x r directions; 0: no floors)")  # fmt: skip
+    parser.add_argument(
+        "--output_floors",
+        type=int,
+        nargs="+",
+        default=[-eigenbasis.OUTPUT_VOCAB_FRACTION],
+        help="output-layer floors (0: as dense; -k: clamp(V/k, dense, 256); -8, the default, is the library's)",
+    )
+    parser.add_argument("--no_exact", action="store_true", help="skip exact rows (the summary takes them from "
+                        "another tag's file)")  # fmt: skip
+    parser.add_argument("--summary", nargs="+", default=None, metavar="TAG", help="means over configs of these tags")
     args = parser.parse_args()
+    if args.summary is not None:
+        tags = [t if t.startswith("-") or not t else f"-{t}" for t in args.summary]
+        print(table(args.configs, tags) + "\n")
+        summary(args.configs, tags)
+        return
     if args.markdown:
         for name in args.configs:
             print(f"\n{name}\n\n" + markdown(json.loads((OUT / f"lds-budget-{name}.json").read_text())))
@@ -165,7 +340,10 @@ def main() -> None:
     torch.set_num_threads(2)
     OUT.mkdir(parents=True, exist_ok=True)
     for name in args.configs:
-        result = run(name, Path(args.cache), args.sketch, tuple(args.fractions), args.core, tuple(args.scaled))
+        widths = tuple(w or None for w in args.output_widths)
+        result = run(name, Path(args.cache), args.sketch, tuple(args.fractions), args.core, tuple(args.scaled),
+                     tuple(args.allocations), widths, tuple(args.dtypes), tuple(args.dense),
+                     tuple(args.output_floors), not args.no_exact)  # fmt: skip
         (OUT / f"lds-budget-{name}{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 

@@ -9,6 +9,7 @@ import torch
 
 import moe_attrib as ma
 from moe_attrib.collect.projection import projection_matrix
+from moe_attrib.curvature import eigenbasis
 from moe_attrib.curvature.eigenbasis import allocate, direction_order, factors_fingerprint, parse_bytes, plan_eigenbasis
 from moe_attrib.curvature.ekfac import fit_ekfac
 from moe_attrib.curvature.precondition import EXPERT_BLOCK, ScoreError, precondition_queries
@@ -72,9 +73,10 @@ def expected_block(grads, ek, block, sketch=None):
     [("qwen3_moe", None, None), ("gpt_oss", None, None), ("qwen3_moe", 8, None), ("qwen3_moe", 8, 48)],
     ids=["qwen3_moe-exact-factors", "gpt_oss-biases", "qwen3_moe-sketched", "qwen3_moe-sketched-output-layer-at-48"],
 )
-def test_rows_equal_exact_gradient_rotated_and_truncated(tmp_path, family, sketch, output):
+def test_rows_equal_exact_gradient_rotated_and_truncated(tmp_path, monkeypatch, family, sketch, output):
     """Eigenbasis rows against the exact gradient (sketched by hand where the factors were: the output layer at
     its own width with `output_projection_dim`) rotated into the factors' eigenbases and truncated."""
+    monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 2)  # small floors: the experts get columns too
     model = tiny_model(family)
     exs = examples(8)
     ek = fit_ekfac(model, exs, projection_dim=sketch, output_projection_dim=output, token_batch_size=48,
@@ -164,10 +166,26 @@ def test_budget_and_allocation():
     assert allocate([w], 3) == [(3, 1)]
 
 
-def test_allocation_ignores_the_factors_damping():
+def test_allocation_floors():
+    """A floor is spent first and clipped to its block; the greedy goes on from it (worked out by hand)."""
+    big = torch.tensor([[9.0, 8.0, 0.2], [7.0, 0.1, 0.1], [6.0, 0.1, 0.1]])
+    small = torch.tensor([[0.5, 0.4], [0.3, 0.2]])
+    # no floors: big opens (9, against small's 0.5), grows by its next column (8 per cell, against its next
+    # row's 7), then by its next row [7, 0.1] (3.55 per cell, against column [0.2] and small's 0.5): 2x2
+    assert allocate([big, small], 4) == [(2, 2), (0, 0)]
+    # small floored at 2x2 (clipped from 3x3): 4 of 7 cells spent; big opens (9), grows by a column (8), and
+    # with 1 cell left its next row (2 cells) does not fit: its next column (0.2, 1 cell) does
+    assert allocate([big, small], 7, floors=[(0, 0), (3, 3)]) == [(1, 3), (2, 2)]
+    with pytest.raises(ValueError, match="floors"):
+        allocate([big, small], 3, floors=[(0, 0), (2, 2)])
+
+
+def test_allocation_ignores_the_factors_damping(monkeypatch):
     """The budget is spent by `Lambda / (Lambda + m)`, `m` the model-wide mean of every corrected eigenvalue
     (worked out here from the factors' own `lam`), whatever damping the factors carry: fitted with the default,
-    re-damped 1 x model-wide or 0.5 x per module, the plan keeps the same rectangles."""
+    re-damped 1 x model-wide or 0.5 x per module, the plan keeps the same rectangles (no floors here:
+    `test_plan_floors`)."""
+    monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 0)
     model = tiny_model("qwen3_moe")
     report = ma.discover(model, track_moe_experts=True)
     ek = fit_ekfac(model, examples(6), projection_dim=8, token_batch_size=48, progress=False)
@@ -185,6 +203,41 @@ def test_allocation_ignores_the_factors_damping():
             le, r, c = (lam[e], rows[e], cols[e]) if lam.dim() == 3 else (lam, rows, cols)
             weights.append((le / (le + mean))[r][:, c])
     assert shapes[0] == allocate(weights, parse_bytes("2KiB") // 4)
+
+
+def test_plan_floors(monkeypatch):
+    """Every dense block starts from its leading `r x r` directions and the output layer from
+    clamp(vocabulary / 8, r, 256) (clipped to the factors' sides), the experts from none; the greedy spends
+    the rest. Worked out by hand from the factors' shapes; floors a budget cannot hold are halved, with a
+    warning, and recorded."""
+    monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 4)
+    model = tiny_model("qwen3_moe")  # 128 words: output floor 128 / 8 = 16, clipped to the sketch's 8 + 1
+    report = ma.discover(model, track_moe_experts=True)
+    ek = fit_ekfac(model, examples(6), projection_dim=8, token_batch_size=48, progress=False)
+    rects, weights = [], []
+    for block, f in ek.factors.items():
+        rows, cols = direction_order(f)
+        lam = f.lam.double()
+        mean = float(sum(g.lam.double().sum() for g in ek.factors.values()))
+        mean /= sum(g.lam.numel() for g in ek.factors.values())
+        for e in range(lam.shape[0] if lam.dim() == 3 else 1):
+            le, r, c = (lam[e], rows[e], cols[e]) if lam.dim() == 3 else (lam, rows, cols)
+            weights.append((le / (le + mean))[r][:, c])
+            side = 0 if lam.dim() == 3 else 16 if block == "lm_head" else 4
+            rects.append((min(side, le.shape[0]), min(side, le.shape[1])))
+    assert ("lm_head" in ek.factors) and rects[list(ek.factors).index("lm_head")] != (4, 4)
+    floor_cells = sum(r * c for r, c in rects)
+    budget = 4 * (floor_cells + 200)
+    plan = plan_eigenbasis(report, ek, budget)
+    assert list(ek.factors) == [t.block for t in plan.targets]  # the factors' order is the plan's
+    shapes = [s for t in plan.targets for s in t.shapes]
+    assert shapes == allocate(weights, budget // 4, rects)
+    assert all(s[0] >= r[0] and s[1] >= r[1] for s, r in zip(shapes, rects, strict=True))
+    assert plan.floors == (4, 16) and plan.settings(budget, "x")["floors"] == {"dense": 4, "output": 16}
+    with pytest.warns(UserWarning, match="floors lowered to 2 .output layer 8."):
+        small = plan_eigenbasis(report, ek, 4 * (floor_cells - 1))
+    assert small.floors == (2, 8)
+    assert sum(kr * kc for t in small.targets for kr, kc in t.shapes) <= floor_cells - 1
 
 
 def test_plan_refuses_unfolded_bias_and_missing_factor():

@@ -17,7 +17,9 @@ and each expert's own rectangle is taken out of it (`EigenPlan.flatten`). A fold
 default) is part of its weight's block: the rotated bias gradient times the ones row of the input
 side's eigenvectors, as `moe_attrib.curvature.ekfac` rotates it.
 
-The budget (bytes per example, `parse_bytes`) is spent greedily (`allocate`): a block grows by one
+The budget (bytes per example, `parse_bytes`) first gives every dense block (not an expert) its
+leading `DENSE_DIRECTIONS x DENSE_DIRECTIONS` directions and the output layer its `output_floor`
+(`fit_floors`), then is spent greedily (`allocate`): a block grows by one
 row or one column of directions at a time, whichever adds the most `Lambda / (Lambda + d)` (the share
 of a direction in the effective dimension of the damped curvature) per stored column, `d` being
 `ALLOCATION_DAMPING` x the model-wide mean of `Lambda` whatever damping the factors carry: the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import re
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +52,9 @@ EIGENBASIS = "ekfac-eigen-v1"  # recorded as settings["eigenbasis"]["kind"]
 BASIS_FILE = "eigenbasis.safetensors"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ALLOCATION_DAMPING = 1.0  # x the model-wide mean Lambda: how the budget is spent, whatever the factors' damping
+DENSE_DIRECTIONS = 32  # each dense (not expert) block starts with this many directions a side (`fit_floors`)
+OUTPUT_DIRECTIONS_MAX = 256  # the output layer's floor: its vocabulary / OUTPUT_VOCAB_FRACTION, within
+OUTPUT_VOCAB_FRACTION = 8  # [DENSE_DIRECTIONS, OUTPUT_DIRECTIONS_MAX] (`output_floor`)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -125,16 +131,28 @@ def _sorted(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Te
     return t[rows][:, cols]
 
 
-def allocate(weights: list[torch.Tensor], columns: int) -> list[tuple[int, int]]:
+def allocate(
+    weights: list[torch.Tensor], columns: int, floors: list[tuple[int, int]] | None = None
+) -> list[tuple[int, int]]:
     """Rectangles `(kr, kc)` of leading directions for blocks whose direction weights (rows and
     columns sorted, most first) are `weights[b]` `[R, C]`, at most `columns` cells in all.
 
+    Blocks start from `floors[b]` (clipped to the block; none: empty), whose cells are spent first.
     Greedy: a block opens with its (0, 0) direction; an open block grows by its next row (kc new
     cells) or next column (kr new cells); each step takes the move of highest weight per cell that
     still fits. Ties go to the earlier block, so the allocation is deterministic.
     """
     shapes = [[0, 0] for _ in weights]
-    left = columns
+    for b, (fr, fc) in enumerate(floors or []):
+        fr, fc = min(fr, weights[b].shape[0]), min(fc, weights[b].shape[1])
+        if fr > 0 and fc > 0:
+            shapes[b] = [fr, fc]
+    left = columns - sum(kr * kc for kr, kc in shapes)
+    if left < 0:
+        raise EigenbasisError(
+            f"the budget buys {columns} columns, fewer than the {columns - left} the dense blocks' floors take: "
+            "give a larger --budget."
+        )
     heap: list[tuple[float, int, int, int]] = []  # (-gain per cell, block, move, version)
     version = [0] * len(weights)
 
@@ -228,6 +246,7 @@ class EigenPlan:
         self.target_dims = dict(target_dims or {})  # targets the factors sketched at their own dimension
         self.seed = seed
         self.projection = projection
+        self.floors = (0, 0)  # the dense and output-layer floors the plan was allocated with (`fit_floors`)
         self._by_block = {t.block: t for t in targets}
         self._mats: dict[tuple, torch.Tensor] = {}
         self._take: dict[tuple, torch.Tensor] = {}
@@ -320,6 +339,7 @@ class EigenPlan:
             "kind": EIGENBASIS,
             "budget_bytes": budget,
             "factors_fingerprint": fingerprint,
+            "floors": {"dense": self.floors[0], "output": self.floors[1]},
             "targets": {t.block: [t.transposed, t.bias, [list(s) for s in t.shapes]] for t in self.targets},
         }
 
@@ -368,7 +388,11 @@ def plan_eigenbasis(
         found.append((e.block, names, f))
     allocation = ekfac.with_damping(ALLOCATION_DAMPING, "model").factors
     weights = [w for block, _, _ in found for w in weights_of(allocation[block])]
-    shapes = allocate(weights, columns)
+    sides = [(len(names), f.experts, block == report.output_layer) for block, names, f in found]
+    head = next((t.module for t in report.targets if t.name == report.output_layer), None)
+    vocab = int(head.weight.shape[0]) if head is not None else 0
+    dense, output, floors = fit_floors(sides, weights, columns, vocab)
+    shapes = allocate(weights, columns, floors)
     targets, at = [], 0
     for block, names, f in found:
         mine = shapes[at : at + len(names)]
@@ -380,7 +404,57 @@ def plan_eigenbasis(
         q_in = torch.gather(f.QA.detach().cpu(), -1, _expand(order_in[..., :k_in], f.QA))
         q_out = torch.gather(f.QG.detach().cpu(), -1, _expand(order_out[..., :k_out], f.QG))
         targets.append(EigenTarget(block, names, f.transposed, f.bias, mine, q_in, q_out))
-    return EigenPlan(targets, ekfac.projection_dim, ekfac.seed, ekfac.projection, ekfac.target_dims(report))
+    plan = EigenPlan(targets, ekfac.projection_dim, ekfac.seed, ekfac.projection, ekfac.target_dims(report))
+    plan.floors = (dense, output)
+    return plan
+
+
+def output_floor(vocab: int, dense: int) -> int:
+    """Directions a side the output layer starts with: an eighth of its `vocab` words, no fewer than a dense
+    block's (`dense`) and no more than 256 (the rule chosen on the LDS benchmark, docs/build.md); none without
+    dense floors."""
+    if dense == 0:
+        return 0
+    return min(OUTPUT_DIRECTIONS_MAX, max(dense, vocab // OUTPUT_VOCAB_FRACTION))
+
+
+def fit_floors(
+    sides: list[tuple[int, bool, bool]], weights: list[torch.Tensor], columns: int, vocab: int = 0
+) -> tuple[int, int, list[tuple[int, int]]]:
+    """The dense and output floors (`DENSE_DIRECTIONS`, `output_floor`) and each block's floor rectangle,
+    for factors `sides` (`(blocks, experts, output layer)` each, in plan order) whose blocks' direction weights
+    are `weights`, the output layer having `vocab` words.
+
+    Why floors: spent by `Lambda / (Lambda + d)` alone, a budget that buys a few dozen columns per block goes
+    to the blocks with the largest eigenvalues and leaves the attention blocks and the output layer, which
+    rank best, a handful of directions; giving each dense block its leading `r x r` first (there are few of
+    them: 241 of 12,529 blocks on Qwen3-30B-A3B) and the experts the rest raised the LDS at 1 MiB from 0.08
+    below the seeded default to above it (docs/build.md). Floors a budget of `columns` cannot hold are halved
+    (both) until it can, with a warning."""
+    dense, output = DENSE_DIRECTIONS, output_floor(vocab, DENSE_DIRECTIONS)
+    wanted = dense, output
+
+    def rects(d: int, o: int) -> list[tuple[int, int]]:
+        out = []
+        for n, experts, head in sides:
+            r = 0 if experts else o if head else d
+            out.extend([(r, r)] * n)
+        return [(min(r, w.shape[0]), min(c, w.shape[1])) for (r, c), w in zip(out, weights, strict=True)]
+
+    floors = rects(dense, output)
+    while sum(r * c for r, c in floors) > columns and (dense or output):
+        dense, output = dense // 2, output // 2
+        floors = rects(dense, output)
+    if (dense, output) != wanted:
+        need = sum(r * c for r, c in rects(*wanted))
+        warnings.warn(
+            f"moe-attrib: the budget buys {columns} columns, fewer than the {need} that the dense blocks' floors of "
+            f"{wanted[0]} directions a side (output layer {wanted[1]}) take: floors lowered to {dense} (output "
+            f"layer {output}). Give a larger --budget (or --index_dtype bfloat16, twice the columns) for the floors "
+            "the LDS benchmark measured (docs/build.md).",
+            stacklevel=3,
+        )
+    return dense, output, floors
 
 
 def _expand(order: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
