@@ -654,7 +654,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, values in per_query.items():
         lo, hi = bootstrap(values)
         dlo, dhi = bootstrap(per_query[default] - values)
-        rows[name] = {"lds": float(values.mean()), "ci95": [lo, hi], "default_minus_this_ci95": [dlo, dhi]}
+        rows[name] = {
+            "lds": float(values.mean()),
+            "ci95": [lo, hi],
+            "default_minus_this_ci95": [dlo, dhi],
+            "per_query": values.tolist(),  # for the paired CIs of means over configurations (lds_summary.py)
+        }
     attribution_seconds = time.perf_counter() - t1
     domains = [r["domain"] for r in query_records]
     result = {

@@ -3,18 +3,26 @@
     python benchmarks/lds_summary.py            # every result file present, tuning then held-out configurations
 
 Per configuration: the test-retest ceiling, the default pipeline, and the rows `lds.py --core` computes
-(untracked, exact rows, each module group alone through the default index, exact `lm_head` alone),
-each with the paired 95% CI of default - this (positive: the default is ahead).
+(untracked, exact rows, each module group alone through the default index, exact `lm_head` alone), each with
+the paired 95% CI of default - this (positive: the default is ahead). Two columns come from other result files
+scored on the same caches, and are shown only where that file's own default pipeline equals this file's query
+for query (so the pairing is real): Kronfluence 1.0.1 (`lds-peers-output-width.npz`, `lds_peers.py`) and the
+eigenbasis index at 1 MiB with floors (`issue32/lds-budget-<config>-s16floors.json`, `lds_budget.py`). Then,
+over the configurations with per-query LDS, each row's mean over the tuning and the held-out configurations with
+the paired CI of this - default (queries resampled within each configuration).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lds  # noqa: E402
+import numpy as np  # noqa: E402
+from lds_damping import mean_over  # noqa: E402
 
 ROWS = [
     ("untracked", "default pipeline, not tracked (p=32)"),
@@ -27,19 +35,56 @@ ROWS = [
 ]
 DEFAULT = "default pipeline (p=32, experts tracked, EK-FAC)"
 CEILING = "test-retest (same subsets, another data order)"
+KRONFLUENCE = "Kronfluence 1.0.1"
+EIGEN = "eigenbasis 1 MiB, floors"
+COLUMNS = [label for label, _ in ROWS] + [KRONFLUENCE, EIGEN]
+PEERS = "lds-peers-output-width.npz"  # lds_peers.py on the caches of these result files
+EIGEN_FILE = "issue32/lds-budget-{}-s16floors.json"
+EIGEN_VARIANT = (  # its label in lds_budget.py's files, the budget in bytes left out
+    "eigenbasis, (as 1024 KiB on Qwen3-30B-A3B), bfloat16, output sketch 512, dense floor 32, "
+    "output floor V/8 in [dense, 256]"
+)
+
+
+def per_query(name: str, results: Path) -> dict[str, np.ndarray]:
+    """`{column: per-query LDS}` of configuration `name` (with "default" and "ceiling"), where kept."""
+    path = results / f"lds-{name}.json"
+    v = json.loads(path.read_text())["variants"] if path.exists() else {}
+    if DEFAULT not in v or "per_query" not in v[DEFAULT]:
+        return {}
+    out = {"default": np.array(v[DEFAULT]["per_query"]), "ceiling": np.array(v[CEILING]["per_query"])}
+    out.update({label: np.array(v[key]["per_query"]) for label, key in ROWS if key in v})
+    base = out["default"]
+    if (results / PEERS).exists():
+        peers = np.load(results / PEERS)
+        if f"{name}|moe-attrib default" in peers and np.allclose(peers[f"{name}|moe-attrib default"], base):
+            out[KRONFLUENCE] = peers[f"{name}|Kronfluence 1.0.1 EK-FAC, its defaults"]
+    eigen = results / EIGEN_FILE.format(name)
+    if eigen.exists():
+        got = json.loads(eigen.read_text())["variants"]
+        mine = next((r for label, r in got.items() if label.startswith("default:")), None)
+        for label, r in got.items():
+            if mine and np.allclose(mine["per_query"], base) and re.sub(r"budget \d+ B ", "", label) == EIGEN_VARIANT:
+                out[EIGEN] = np.array(r["per_query"])
+    return out
 
 
 def table(names: list[str], results: Path) -> str:
-    head = "| configuration | ceiling | default | " + " | ".join(label for label, _ in ROWS) + " |"
-    lines = [head, "|---" * (3 + len(ROWS)) + "|"]
+    head = "| configuration | ceiling | default | " + " | ".join(COLUMNS) + " |"
+    lines = [head, "|---" * (3 + len(COLUMNS)) + "|"]
     for name in names:
         path = results / f"lds-{name}.json"
         if not path.exists():
             continue
+        values = per_query(name, results)
         v = json.loads(path.read_text())["variants"]
         cells = [f"{v[CEILING]['lds']:.3f}", f"**{v[DEFAULT]['lds']:.3f}**"]
-        for _, key in ROWS:
-            if key in v:
+        for label in COLUMNS:
+            key = dict(ROWS).get(label)
+            if label in values:
+                lo, hi = lds.bootstrap(values["default"] - values[label])
+                cells.append(f"{values[label].mean():.3f} [{lo:+.3f}, {hi:+.3f}]")
+            elif key in v:  # a result file from before per-query LDS were kept: its own CI
                 lo, hi = v[key]["default_minus_this_ci95"]
                 cells.append(f"{v[key]['lds']:.3f} [{lo:+.3f}, {hi:+.3f}]")
             else:
@@ -51,9 +96,14 @@ def table(names: list[str], results: Path) -> str:
 def main() -> None:
     results = lds.ROOT / "benchmarks" / "results"
     tuning = list(lds.TUNING)
-    held = list(lds.HELDOUT) + ["cpu-heldout", "cpu-heldout2"]
+    held = list(lds.HELDOUT) + list(lds.HELDOUT_HEAD) + ["cpu-heldout", "cpu-heldout2"]
     print("Tuning configurations\n\n" + table(tuning, results))
     print("\nHeld-out configurations\n\n" + table(held, results))
+    for title, names in (("tuning", tuning), ("held-out", held)):
+        values = {name: v for name in names if (v := per_query(name, results))}
+        if values:
+            print(f"\nMeans over the {title} configurations with per-query LDS ({', '.join(values)}):")
+            mean_over(values, list(values), "default")
 
 
 if __name__ == "__main__":
