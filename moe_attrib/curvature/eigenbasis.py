@@ -442,6 +442,14 @@ def fit_floors(
         return [(min(r, w.shape[0]), min(c, w.shape[1])) for (r, c), w in zip(out, weights, strict=True)]
 
     floors = rects(dense, output)
+    head = next((b for b, (_, _, is_head) in enumerate(_expand_sides(sides)) if is_head), None)
+    if head is not None and max(weights[head].shape) < min(output, vocab):  # the vocabulary side sketched too narrow
+        warnings.warn(
+            f"moe-attrib: the factors keep {tuple(weights[head].shape)} directions of the output layer, fewer than its "
+            f"floor of {output} a side: fit them with --output_projection_dim {2 * output} (ekfac) for the floor the "
+            "LDS benchmark measured (docs/build.md).",
+            stacklevel=3,
+        )
     while sum(r * c for r, c in floors) > columns and (dense or output):
         dense, output = dense // 2, output // 2
         floors = rects(dense, output)
@@ -455,6 +463,11 @@ def fit_floors(
             stacklevel=3,
         )
     return dense, output, floors
+
+
+def _expand_sides(sides: list[tuple[int, bool, bool]]) -> list[tuple[int, bool, bool]]:
+    """`sides` repeated once per block (an experts factor's `n` blocks)."""
+    return [side for side in sides for _ in range(side[0])]
 
 
 def _expand(order: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
