@@ -235,6 +235,7 @@ def test_plan_floors(monkeypatch):
     assert shapes == allocate(weights, budget // 4, rects)
     assert all(s[0] >= r[0] and s[1] >= r[1] for s, r in zip(shapes, rects, strict=True))
     assert plan.floors == (4, 16) and plan.settings(budget, "x")["floors"] == {"dense": 4, "output": 16}
+    assert eigenbasis.plan_floors(report, 8, 8).columns == floor_cells  # planned from the shapes alone
     with pytest.warns(UserWarning, match="floors lowered to 2 .output layer 8."):
         small = plan_eigenbasis(report, ek, 4 * (floor_cells - 1))
     assert small.floors == (2, 8)
@@ -270,6 +271,24 @@ def test_inspect_plans_from_config_alone(tmp_path, capsys):
     dims = CollectSettings().target_dims(report.output_layer)
     want = column_plan(report, DEFAULT_PROJECTION_DIM, "separate", target_dims=dims)[-1].stop * 4
     assert line == [f"index bytes per example: {want}"]
+
+
+def test_inspect_plans_the_eigenbasis_floors_of_qwen3_30b_a3b(capsys):
+    """On the Qwen3-30B-A3B shape (config only): 48 layers x (4 attention projections + the router) dense blocks
+    at 32 x 32 and the output layer at min(151936 / 8, 256) = 256 a side (hidden 2048, sketched to 512), worked
+    out from the config by hand; the experts share what 1 MiB of bfloat16 leaves."""
+    from pathlib import Path
+
+    from moe_attrib.app.cli import main
+
+    shape = Path(__file__).parent.parent / "benchmarks" / "shapes" / "qwen3-30b-a3b"
+    assert main(["inspect", str(shape), "--track_moe_experts"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eigenbasis index")]
+    floors = 48 * 5 * 32 * 32 + 256 * 256
+    per_expert = (2**20 // 2 - floors) / (48 * 128 * 2)
+    assert len(line) == 1
+    assert f"floors {floors} columns (241 dense blocks at 32 directions a side, the output layer at 256)" in line[0]
+    assert line[0].endswith(f"12288 expert blocks share the rest, {per_expert:.1f} columns each")
 
 
 def test_cli_flow_and_refused_factors(tmp_path, capsys):

@@ -87,6 +87,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         own = "".join(f", {name} at {dim}" for name, dim in dims.items())
         print(f"\ndefault index (p={st.projection_dim}{own}, {DEFAULT_INDEX_DTYPE}): {columns} columns per example")
         print(f"index bytes per example: {columns * size}")
+        from moe_attrib.curvature.eigenbasis import plan_floors
+        from moe_attrib.settings import DEFAULT_BUDGET
+
+        fl = plan_floors(report)
+        print(
+            f"eigenbasis index (ekfac --projection_dim 128 --output_projection_dim 512, then build --ekfac, "
+            f"--budget {DEFAULT_BUDGET // 2**20}MiB --index_dtype bfloat16): floors {fl.columns} columns "
+            f"({fl.dense_blocks} dense blocks at {fl.dense} directions a side, the output layer at {fl.output}); "
+            f"{fl.expert_blocks} expert blocks share the rest, {fl.per_expert(DEFAULT_BUDGET, 'bfloat16'):.1f} "
+            "columns each"
+        )
     return 0
 
 

@@ -409,6 +409,47 @@ def plan_eigenbasis(
     return plan
 
 
+@dataclass
+class FloorPlan:
+    """What an eigenbasis index's floors take on a model, planned from its shapes alone (`plan_floors`)."""
+
+    dense_blocks: int
+    expert_blocks: int
+    dense: int  # floor a side of a dense block
+    output: int  # floor a side of the output layer
+    columns: int  # the floors' cells
+
+    def per_expert(self, budget: int | str, index_dtype: str) -> float:
+        """Columns each expert block gets, on average, from what the floors leave of `budget`."""
+        left = budget_columns(parse_bytes(budget), index_dtype) - self.columns
+        return max(left, 0) / max(self.expert_blocks, 1)
+
+
+def plan_floors(report: CoverageReport, sketch: int | None = 128, output_sketch: int | None = 512) -> FloorPlan:
+    """The floors of an eigenbasis index of `report`'s targets for factors fitted with `--projection_dim sketch
+    --output_projection_dim output_sketch` (None: unprojected): each dense weight's `min(r, side)` a side, `r` the
+    dense floor or, for the output layer, `output_floor`; sides are the weight's, a folded bias adding one input."""
+    dense_blocks = expert_blocks = cells = 0
+    head = next((t.module for t in report.targets if t.name == report.output_layer), None)
+    vocab = int(head.weight.shape[0]) if head is not None else 0
+    out = output_floor(vocab, DENSE_DIRECTIONS)
+    biased = {e.block for e in iter_entries(report.targets) if e.kind == "bias"}
+    for e in iter_entries(report.targets):
+        if e.kind != "weight":
+            continue
+        if e.layout is not None:
+            expert_blocks += e.layout.num_experts
+            continue
+        dense_blocks += 1
+        is_head = e.target.name == report.output_layer
+        width = output_sketch if is_head else sketch
+        r = out if is_head else DENSE_DIRECTIONS
+        sides = [e.param.shape[0], e.param.shape[-1] + (e.block in biased)]
+        sides = [side if width is None else min(side, width) for side in sides]
+        cells += min(r, sides[0]) * min(r, sides[1])
+    return FloorPlan(dense_blocks, expert_blocks, DENSE_DIRECTIONS, out, cells)
+
+
 def output_floor(vocab: int, dense: int) -> int:
     """Directions a side the output layer starts with: an eighth of its `vocab` words, no fewer than a dense
     block's (`dense`) and no more than 256 (the rule chosen on the LDS benchmark, docs/build.md); none without
