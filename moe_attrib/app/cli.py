@@ -91,12 +91,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from moe_attrib.settings import DEFAULT_BUDGET
 
         fl = plan_floors(report)
+        rest = (
+            f"; {fl.expert_blocks} expert blocks share the rest, {fl.per_expert(DEFAULT_BUDGET, 'bfloat16'):.1f} "
+            "columns each"
+            if fl.expert_blocks
+            else "; the greedy spends the rest"
+        )
         print(
             f"eigenbasis index (ekfac --projection_dim 128 --output_projection_dim 512, then build --ekfac, "
             f"--budget {DEFAULT_BUDGET // 2**20}MiB --index_dtype bfloat16): floors {fl.columns} columns "
-            f"({fl.dense_blocks} dense blocks at {fl.dense} directions a side, the output layer at {fl.output}); "
-            f"{fl.expert_blocks} expert blocks share the rest, {fl.per_expert(DEFAULT_BUDGET, 'bfloat16'):.1f} "
-            "columns each"
+            f"({fl.dense_blocks} dense blocks at {fl.dense} directions a side, the output layer at {fl.output}){rest}"
         )
     return 0
 
