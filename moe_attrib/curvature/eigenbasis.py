@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from moe_attrib.collect.projection import Projections
-from moe_attrib.curvature.ekfac import EKFAC, Factor
+from moe_attrib.curvature.ekfac import EKFAC, Factor, factor_dims
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.indexing.index import INDEX_DTYPES, Block
 from moe_attrib.model.discovery import CoverageReport, iter_entries
@@ -388,10 +388,8 @@ def plan_eigenbasis(
         found.append((e.block, names, f))
     allocation = ekfac.with_damping(ALLOCATION_DAMPING, "model").factors
     weights = [w for block, _, _ in found for w in weights_of(allocation[block])]
-    sides = [(len(names), f.experts, block == report.output_layer) for block, names, f in found]
-    head = next((t.module for t in report.targets if t.name == report.output_layer), None)
-    vocab = int(head.weight.shape[0]) if head is not None else 0
-    dense, output, floors = fit_floors(sides, weights, columns, vocab)
+    kinds = [(f.experts, block == report.output_layer) for block, names, f in found for _ in names]
+    dense, output, floors = fit_floors(kinds, weights, columns, vocabulary(report))
     shapes = allocate(weights, columns, floors)
     targets, at = [], 0
     for block, names, f in found:
@@ -427,27 +425,25 @@ class FloorPlan:
 
 def plan_floors(report: CoverageReport, sketch: int | None = 128, output_sketch: int | None = 512) -> FloorPlan:
     """The floors of an eigenbasis index of `report`'s targets for factors fitted with `--projection_dim sketch
-    --output_projection_dim output_sketch` (None: unprojected): each dense weight's `min(r, side)` a side, `r` the
-    dense floor or, for the output layer, `output_floor`; sides are the weight's, a folded bias adding one input."""
+    --output_projection_dim output_sketch` (None: unprojected): each dense factor's sides (`factor_dims`, a
+    folded bias included) clipped to the dense floor or, for the output layer, `output_floor`."""
+    out = output_floor(vocabulary(report), DENSE_DIRECTIONS)
+    dims = output_dims(report.output_layer, sketch, output_sketch)
     dense_blocks = expert_blocks = cells = 0
-    head = next((t.module for t in report.targets if t.name == report.output_layer), None)
-    vocab = int(head.weight.shape[0]) if head is not None else 0
-    out = output_floor(vocab, DENSE_DIRECTIONS)
-    biased = {e.block for e in iter_entries(report.targets) if e.kind == "bias"}
-    for e in iter_entries(report.targets):
-        if e.kind != "weight":
-            continue
-        if e.layout is not None:
-            expert_blocks += e.layout.num_experts
+    for name, _transposed, experts, a, g, _fold in factor_dims(report, sketch, True, target_dims=dims):
+        if experts:
+            expert_blocks += experts
             continue
         dense_blocks += 1
-        is_head = e.target.name == report.output_layer
-        width = output_sketch if is_head else sketch
-        r = out if is_head else DENSE_DIRECTIONS
-        sides = [e.param.shape[0], e.param.shape[-1] + (e.block in biased)]
-        sides = [side if width is None else min(side, width) for side in sides]
-        cells += min(r, sides[0]) * min(r, sides[1])
+        r = out if name == report.output_layer else DENSE_DIRECTIONS
+        cells += min(r, a) * min(r, g)
     return FloorPlan(dense_blocks, expert_blocks, DENSE_DIRECTIONS, out, cells)
+
+
+def vocabulary(report: CoverageReport) -> int:
+    """Rows of the output layer's weight (its words), 0 where the model has no output-layer target."""
+    head = next((t.module for t in report.targets if t.name == report.output_layer), None)
+    return int(head.weight.shape[0]) if head is not None else 0
 
 
 def output_floor(vocab: int, dense: int) -> int:
@@ -460,11 +456,11 @@ def output_floor(vocab: int, dense: int) -> int:
 
 
 def fit_floors(
-    sides: list[tuple[int, bool, bool]], weights: list[torch.Tensor], columns: int, vocab: int = 0
+    kinds: list[tuple[bool, bool]], weights: list[torch.Tensor], columns: int, vocab: int = 0
 ) -> tuple[int, int, list[tuple[int, int]]]:
-    """The dense and output floors (`DENSE_DIRECTIONS`, `output_floor`) and each block's floor rectangle,
-    for factors `sides` (`(blocks, experts, output layer)` each, in plan order) whose blocks' direction weights
-    are `weights`, the output layer having `vocab` words.
+    """The dense and output floors (`DENSE_DIRECTIONS`, `output_floor`) and each block's floor rectangle, for
+    blocks of `kinds` (`(expert, output layer)` each, in plan order) whose direction weights are `weights`, the
+    output layer having `vocab` words.
 
     Why floors: spent by `Lambda / (Lambda + d)` alone, a budget that buys a few dozen columns per block goes
     to the blocks with the largest eigenvalues and leaves the attention blocks and the output layer, which
@@ -476,14 +472,11 @@ def fit_floors(
     wanted = dense, output
 
     def rects(d: int, o: int) -> list[tuple[int, int]]:
-        out = []
-        for n, experts, head in sides:
-            r = 0 if experts else o if head else d
-            out.extend([(r, r)] * n)
-        return [(min(r, w.shape[0]), min(c, w.shape[1])) for (r, c), w in zip(out, weights, strict=True)]
+        sides = [0 if expert else o if head else d for expert, head in kinds]
+        return [(min(r, w.shape[0]), min(r, w.shape[1])) for r, w in zip(sides, weights, strict=True)]
 
     floors = rects(dense, output)
-    head = next((b for b, (_, _, is_head) in enumerate(_expand_sides(sides)) if is_head), None)
+    head = next((b for b, (_, is_head) in enumerate(kinds) if is_head), None)
     if head is not None and max(weights[head].shape) < min(output, vocab):  # the vocabulary side sketched too narrow
         warnings.warn(
             f"moe-attrib: the factors keep {tuple(weights[head].shape)} directions of the output layer, fewer than its "
@@ -504,11 +497,6 @@ def fit_floors(
             stacklevel=3,
         )
     return dense, output, floors
-
-
-def _expand_sides(sides: list[tuple[int, bool, bool]]) -> list[tuple[int, bool, bool]]:
-    """`sides` repeated once per block (an experts factor's `n` blocks)."""
-    return [side for side in sides for _ in range(side[0])]
 
 
 def _expand(order: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -223,7 +223,7 @@ def load_ekfac(path: str | Path | list, device: str | torch.device = "cpu") -> E
     return out
 
 
-def _dims(
+def factor_dims(
     report: CoverageReport,
     p: int | None,
     fold_bias: bool = False,
@@ -266,7 +266,9 @@ def memory_plan(
     """Bytes of float64 factors (A, G, eigenbases, eigenvalues, Lambda) per module kind and in total."""
     kinds = {t.name if t.kind != "experts" else f"{t.layout.name}": t.kind for t in report.targets}
     per_kind: dict[str, int] = {}
-    for name, _transposed, experts, a, g, _fold in _dims(report, projection_dim, fold_bias, projection, target_dims):
+    for name, _transposed, experts, a, g, _fold in factor_dims(
+        report, projection_dim, fold_bias, projection, target_dims
+    ):
         e = experts or 1
         size = 8 * e * (2 * a * a + 2 * g * g + a + g + a * g)
         kind = "experts" if experts else kinds.get(name, "linear")
@@ -407,7 +409,9 @@ def fit_ekfac(
         )
     fdev = torch.device(factor_device)
     factors: dict[str, Factor] = {}
-    for name, transposed, experts, a, g, fold in _dims(report, projection_dim, fold_bias, projection, target_dims):
+    for name, transposed, experts, a, g, fold in factor_dims(
+        report, projection_dim, fold_bias, projection, target_dims
+    ):
         lead = (experts,) if experts else ()
         factors[name] = Factor(
             name,
