@@ -26,6 +26,7 @@ import re
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -98,13 +99,8 @@ def run(
         def add(label: str, ek, allocation: float | None = None, floor: int = 0, out_floor: int = 0, **build) -> None:
             t0 = time.perf_counter()
             path = Path(tmp) / f"index-{len(results)}"
-            kept = eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor
-            eigenbasis.ALLOCATION_DAMPING = kept[0] if allocation is None else allocation
-            eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = floor, floor_rule(out_floor)
-            try:
+            with allocation_rule(floor, out_floor, allocation):
                 ma.build_index(model, examples, path, progress=False, **build)
-            finally:
-                eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = kept
             index = ma.load_index(path)
             q = ma.query_gradients(model, queries, index)
             scores = ma.score_matrix(index, q, ekfac=ek, device="cpu")
@@ -131,12 +127,13 @@ def run(
             for dtype in ("float32", "bfloat16"):
                 add(f"eigenbasis, budget {budget} B ({frac:g} x default), {dtype}", ekfac(sketch),
                     ekfac=ekfac(sketch), budget=budget, index_dtype=dtype)  # fmt: skip
-        blocks = weight_blocks(model)
+        report = ma.discover(model, track_moe_experts=True, warn=False)
+        blocks = weight_blocks(report)
         for qwen3_bytes, dtype in ((parse_bytes(b), dt) for b in scaled for dt in dtypes):
             for width in output_widths:
                 ek = ekfac(sketch, width)
                 for r, ro in [(0, 0)] * (0 in dense) + [(r, ro) for r in dense if r for ro in output_floors]:
-                    budget = scaled_budget(qwen3_bytes, dtype, r, ek, blocks, ro, model)
+                    budget = scaled_budget(qwen3_bytes, dtype, r, ro, report, blocks, sketch, width)
                     for a in allocations:
                         label = f"eigenbasis, budget {budget} B (as {qwen3_bytes // 2**10} KiB on Qwen3-30B-A3B)"
                         label += f", {dtype}"
@@ -155,11 +152,24 @@ def run(
 QWEN3_VOCAB = 151936
 
 
+@contextmanager
+def allocation_rule(floor: int, out_floor: int, allocation: float | None = None):
+    """The eigenbasis allocation with dense floor `floor`, output floor `out_floor` (`floor_rule`) and, if given,
+    allocation damping `allocation`, while the block runs (the library's module settings, restored after)."""
+    kept = eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor
+    eigenbasis.ALLOCATION_DAMPING = kept[0] if allocation is None else allocation
+    eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = floor, floor_rule(out_floor)
+    try:
+        yield
+    finally:
+        eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = kept
+
+
 def floor_rule(out_floor: int):
     """`eigenbasis.output_floor` for an output floor given on the command line: `k > 0` directions, 0 the
     dense floor, `-k` the vocabulary-scaled clamp(V / k, dense floor, 256) (`-8`: the library's rule)."""
     if out_floor < 0:
-        return lambda vocab, dense: min(256, max(dense, vocab // -out_floor))
+        return lambda vocab, dense: min(eigenbasis.OUTPUT_DIRECTIONS_MAX, max(dense, vocab // -out_floor))
     return lambda vocab, dense: out_floor or dense
 
 
@@ -167,33 +177,27 @@ def floor_label(out_floor: int) -> str:
     return f"V/{-out_floor} in [dense, 256]" if out_floor < 0 else str(out_floor)
 
 
-def scaled_budget(qwen3_bytes: int, dtype: str, floor: int, ek, blocks: int, out_floor: int = 0, model=None) -> int:
-    """Bytes per example on this model that buy what `qwen3_bytes` buy on Qwen3-30B-A3B: the same columns per
-    weight block (`floor` 0), or each dense block's `floor x floor` rectangle (the output layer's
-    `out_floor x out_floor`, if given) and each expert block's share of what the 241 dense floors leave of the
-    Qwen3-30B-A3B budget (whose dense blocks all have sides wider than the floors: 2048 hidden, 151k words)."""
+def scaled_budget(
+    qwen3_bytes: int, dtype: str, floor: int, out_floor: int, report, blocks: int, sketch: int, width: int | None
+) -> int:
+    """Bytes per example on the model of `report` (`blocks` weight blocks; factors sketched at `sketch`, the
+    output layer at `width`) that buy what `qwen3_bytes` buy on Qwen3-30B-A3B: the same columns per weight block
+    (`floor` 0), or this model's floors (`eigenbasis.plan_floors` under `allocation_rule`) and each expert
+    block's share of what the 241 dense floors leave of the Qwen3-30B-A3B budget (whose dense blocks all have
+    sides wider than the floors: 2048 hidden, 151k words)."""
     if floor == 0:
         return qwen3_bytes * blocks // QWEN3_BLOCKS
     size = eigenbasis.DTYPE_BYTES[dtype]
-    rule = floor_rule(out_floor)
-    big = rule(QWEN3_VOCAB, floor)
+    with allocation_rule(floor, out_floor):
+        big = eigenbasis.output_floor(QWEN3_VOCAB, floor)
+        mine = eigenbasis.plan_floors(report, sketch, width)
     taken = (QWEN3_BLOCKS - QWEN3_EXPERT_BLOCKS - 1) * floor**2 + big**2
     per_expert = (qwen3_bytes // size - taken) / QWEN3_EXPERT_BLOCKS
-    head = ma.discover(model, track_moe_experts=True, warn=False).output_layer
-    vocab = model.get_output_embeddings().weight.shape[0]
-    out = rule(vocab, floor)
-    dense = sum(
-        min(out if name == head else floor, f.lam.shape[-2]) * min(out if name == head else floor, f.lam.shape[-1])
-        for name, f in ek.factors.items()
-        if not f.experts
-    )
-    experts = sum(f.lam.shape[0] for f in ek.factors.values() if f.experts)
-    return int((dense + per_expert * experts) * size)
+    return int((mine.columns + per_expert * mine.expert_blocks) * size)
 
 
-def weight_blocks(model) -> int:
-    """Weight blocks of an eigenbasis index of the whole model (each expert's its own)."""
-    report = ma.discover(model, track_moe_experts=True, warn=False)
+def weight_blocks(report) -> int:
+    """Weight blocks of an eigenbasis index of `report`'s targets (each expert's its own)."""
     return sum(e.layout.num_experts if e.layout else 1 for e in iter_entries(report.targets) if e.kind == "weight")
 
 

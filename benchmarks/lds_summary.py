@@ -46,10 +46,16 @@ EIGEN_VARIANT = (  # its label in lds_budget.py's files, the budget in bytes lef
 )
 
 
-def per_query(name: str, results: Path) -> dict[str, np.ndarray]:
-    """`{column: per-query LDS}` of configuration `name` (with "default" and "ceiling"), where kept."""
+def variants(name: str, results: Path) -> dict:
+    """The variants of configuration `name`'s result file (none without one)."""
     path = results / f"lds-{name}.json"
-    v = json.loads(path.read_text())["variants"] if path.exists() else {}
+    return json.loads(path.read_text())["variants"] if path.exists() else {}
+
+
+def per_query(name: str, results: Path, v: dict | None = None) -> dict[str, np.ndarray]:
+    """`{column: per-query LDS}` of configuration `name` (with "default" and "ceiling"), where kept; `v`: its
+    variants, if already read."""
+    v = variants(name, results) if v is None else v
     if DEFAULT not in v or "per_query" not in v[DEFAULT]:
         return {}
     out = {"default": np.array(v[DEFAULT]["per_query"]), "ceiling": np.array(v[CEILING]["per_query"])}
@@ -73,11 +79,10 @@ def table(names: list[str], results: Path) -> str:
     head = "| configuration | ceiling | default | " + " | ".join(COLUMNS) + " |"
     lines = [head, "|---" * (3 + len(COLUMNS)) + "|"]
     for name in names:
-        path = results / f"lds-{name}.json"
-        if not path.exists():
+        v = variants(name, results)
+        if not v:
             continue
-        values = per_query(name, results)
-        v = json.loads(path.read_text())["variants"]
+        values = per_query(name, results, v)
         cells = [f"{v[CEILING]['lds']:.3f}", f"**{v[DEFAULT]['lds']:.3f}**"]
         for label in COLUMNS:
             key = dict(ROWS).get(label)
