@@ -343,12 +343,14 @@ GROUPS = ("attention", "experts", "routers", "lm_head")
 
 
 def groups(model) -> dict[str, str]:
-    """Module-group globs over index block names (gpt_oss calls its routers `mlp.router`)."""
-    router = "router" if any(name.endswith(".mlp.router") for name, _ in model.named_modules()) else "gate"
+    """Module-group globs over index block names; the routers' from discovery (`mlp.gate`, gpt_oss's `mlp.router`,
+    granitemoe's `block_sparse_moe.router`). A dense shared expert (qwen2_moe) is in no group."""
+    routers = ma.discover(model, track_moe_experts=True, warn=False).routers
+    router = ".".join(routers[0].split(".")[-2:]) if routers else "mlp.gate"
     return {
         "attention": "*.self_attn.*",
         "experts": "*.experts.*",
-        "routers": f"*.mlp.{router}.*",
+        "routers": f"*.{router}.*",
         "lm_head": "lm_head.*",
     }
 

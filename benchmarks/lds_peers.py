@@ -35,6 +35,10 @@ from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 DEFAULT = "moe-attrib default"
 KRONFLUENCE = "Kronfluence 1.0.1 EK-FAC, its defaults"
 KRONFLUENCE_HEURISTIC = "Kronfluence, damping 0.1 x mean eigenvalue"
+# where its defaults fail (an nn.Linear inside the MoE block sees tokens, not examples, as its batch: Qwen2-MoE's
+# shared expert and router, GraniteMoE's router), what it tracks on every other family: attention and lm_head
+KRONFLUENCE_OUTSIDE_MOE = "Kronfluence 1.0.1 EK-FAC, its defaults but attention + lm_head only (its defaults fail)"
+KRONFLUENCE_OUTSIDE_MOE_HEURISTIC = "Kronfluence, attention + lm_head only, damping 0.1 x mean eigenvalue"
 
 
 class Rows(torch.utils.data.Dataset):
@@ -56,7 +60,7 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": ids, "attention_mask": mask, "labels": labels_for(examples, positions, ids, mask)}
 
 
-def kronfluence_scores(model, examples, queries, tmp: Path, dampings=(1e-8,)) -> list[np.ndarray]:
+def kronfluence_scores(model, examples, queries, tmp: Path, dampings=(1e-8,), tracked=None) -> list[np.ndarray]:
     """`[Q, N]` Kronfluence pairwise scores with its default factor and score arguments, one per score
     damping (`1e-8`: its default; `None`: its heuristic, 0.1 x the mean eigenvalue)."""
     from kronfluence.analyzer import Analyzer, prepare_model
@@ -65,6 +69,9 @@ def kronfluence_scores(model, examples, queries, tmp: Path, dampings=(1e-8,)) ->
     from kronfluence.utils.dataset import DataLoaderKwargs
 
     class LanguageModelling(Task):
+        def get_influence_tracked_modules(self):
+            return tracked
+
         def compute_train_loss(self, batch, model, sample: bool = False) -> torch.Tensor:
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             logits, labels = logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten()
@@ -106,11 +113,27 @@ def run(name: str, root: Path) -> dict[str, np.ndarray]:
         q = ma.query_gradients(model, cached.queries, index)
         ek = ma.fit_ekfac(model, cached.examples, projection_dim=p, progress=False)
         out[DEFAULT] = lds.per_query_lds(ma.score_matrix(index, q, ekfac=ek), cached.subsets, cached.losses)
-        scores = kronfluence_scores(cached.model(), cached.examples, cached.queries, Path(tmp) / "kf", (1e-8, None))
-        out[KRONFLUENCE] = lds.per_query_lds(scores[0], cached.subsets, cached.losses)
-        out[KRONFLUENCE_HEURISTIC] = lds.per_query_lds(scores[1], cached.subsets, cached.losses)
+        labels = (KRONFLUENCE, KRONFLUENCE_HEURISTIC)
+        try:
+            scores = kronfluence_scores(cached.model(), cached.examples, cached.queries, Path(tmp) / "kf", (1e-8, None))
+        except RuntimeError as err:  # its defaults cannot run on this family: say so, then track what it can
+            print(f"  {name}: Kronfluence 1.0.1 with its defaults fails: {str(err)[:200]}")
+            kept = linears_outside_moe(model)
+            print(f"  {name}: tracking {len(kept)} nn.Linear modules outside the MoE blocks instead")
+            labels = (KRONFLUENCE_OUTSIDE_MOE, KRONFLUENCE_OUTSIDE_MOE_HEURISTIC)
+            scores = kronfluence_scores(cached.model(), cached.examples, cached.queries, Path(tmp) / "kf2",
+                                        (1e-8, None), tracked=kept)  # fmt: skip
+        for label, s in zip(labels, scores, strict=True):
+            out[label] = lds.per_query_lds(s, cached.subsets, cached.losses)
     lds.print_variants(cached.title, out, cached.domains, "default", 40)
     return out
+
+
+def linears_outside_moe(model) -> list[str]:
+    """The `nn.Linear` modules not under a sparse MoE block (the parent of a discovered experts module)."""
+    blocks = [e.name.rsplit(".", 1)[0] + "." for e in ma.discover(model, track_moe_experts=True, warn=False).experts]
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return [n for n in linear if not any(n.startswith(b) for b in blocks)]
 
 
 def main() -> None:
