@@ -15,10 +15,10 @@ in and out) in the same rounds, and its largest difference to an eager step; `--
 only the named rows.
 `--build_graphs` also times `build_index(cuda_graphs=True)` in the build rounds (its rows against the
 eager build's, beside two eager builds' own difference); `--build_tokens` sets the build's token batch.
-`--build_eigen 256KiB` also times, in the same rounds, today's default build (`--expert_blocks separate`,
+`--build_eigen 256KiB` also times, in the same rounds, the seeded build (`--expert_blocks separate`,
 p=`--projection_dim`) and an eigenbasis build (`build_index(ekfac=, budget=)`, factors fitted once before
-the rounds with `--eigen_sketch`) of the same model and batches: the eigenbasis build's tokens/s over the
-default build's.
+the rounds with `--eigen_sketch` and `--eigen_output_sketch`, rows stored as `--eigen_dtype`: `build`'s
+default) of the same model and batches: the eigenbasis build's tokens/s over the seeded build's.
 
     python benchmarks/e2e.py --out benchmarks/results/e2e-h200.json [--parts collect phases build memory48]
 
@@ -354,6 +354,8 @@ def build_part(
     token_batch: int = 8192,
     eigen_budget: str | None = None,
     eigen_sketch: int = 128,
+    eigen_output_sketch: int | None = 512,
+    eigen_dtype: str = "bfloat16",
 ) -> dict:
     """`build_index` vs plain steps over the same `token_batch`-token batches, interleaved; projection drawing
     shows in the first round only if it is one-time per process. `graphs`: also `build_index(cuda_graphs=True)`,
@@ -378,8 +380,9 @@ def build_part(
     eigen = {}
     if eigen_budget:  # factors of the eigenbasis build, fitted once (not timed) on a quarter of the examples
         factors = ma.fit_ekfac(model, exs[: max(1, examples // 4)], projection_dim=eigen_sketch,
-                               token_batch_size=token_batch, factor_device="cuda", progress=False)  # fmt: skip
-        eigen = {"ekfac": factors, "budget": eigen_budget}
+                               output_projection_dim=eigen_output_sketch, token_batch_size=token_batch,
+                               factor_device="cuda", progress=False)  # fmt: skip
+        eigen = {"ekfac": factors, "budget": eigen_budget, "index_dtype": eigen_dtype}
     separate_s, eigen_s = [], []
     build_s, plain_s, recompute_s, graph_s = [], [], [], []
     graph_path = Path("/tmp/e2e-index-graphs")
@@ -432,6 +435,7 @@ def build_part(
             eigen_budget,
             eigen_dim,
         )
+        row["eigen_factors"] = {"sketch": eigen_sketch, "output_sketch": eigen_output_sketch, "dtype": eigen_dtype}
         row["separate_tok_s"] = tokens / statistics.median(separate_s[1:] or separate_s)
         row["eigen_tok_s"] = tokens / statistics.median(eigen_s[1:] or eigen_s)
         row["eigen_ratio_of_separate_tok_s"] = row["eigen_tok_s"] / row["separate_tok_s"]
@@ -630,6 +634,8 @@ def main() -> None:
     parser.add_argument("--build_graphs", action="store_true", help="build: also time builds with cuda_graphs")
     parser.add_argument("--build_eigen", default=None, metavar="BUDGET", help="build: also time default vs eigenbasis")
     parser.add_argument("--eigen_sketch", type=int, default=128, help="build: the eigenbasis factors' projection_dim")
+    parser.add_argument("--eigen_output_sketch", type=int, default=512, help="build: the factors' output-layer sketch")
+    parser.add_argument("--eigen_dtype", default="bfloat16", help="build: the eigenbasis index's dtype")
     parser.add_argument("--collect_cast", action="store_true", help="collect: also time the cast-matmul variant")
     parser.add_argument("--collect_graph", action="store_true", help="collect: also time GraphedCollector")
     parser.add_argument("--collect_rows", nargs="+", default=None, help="collect: only these rows (by name)")
@@ -677,6 +683,8 @@ def main() -> None:
             args.build_tokens,
             args.build_eigen,
             args.eigen_sketch,
+            args.eigen_output_sketch,
+            args.eigen_dtype,
         )
         save()
     if "coupling" in args.parts:

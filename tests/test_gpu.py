@@ -359,3 +359,30 @@ def test_cuda_graphed_build_equals_eager_build(tmp_path, monkeypatch, cuda_graph
     assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
     assert np.allclose(graphed.losses, eager.losses, rtol=1e-5)
     assert np.array_equal(graphed.expert_counts, eager.expert_counts)
+
+
+def test_cuda_eigenbasis_build_equals_cpu_build(tmp_path):
+    """An eigenbasis index built on CUDA (factors on the GPU, rows rotated there) holds the CPU build's rows with
+    the same factors, and scores the same; the factors fitted on CUDA keep the CPU fit's allocation."""
+    import numpy as np
+
+    from moe_attrib.data import Example
+
+    gen = torch.Generator().manual_seed(5)
+    ex = [Example(i, torch.randint(3, 120, (int(torch.randint(5, 12, (1,), generator=gen)),), generator=gen).tolist())
+          for i in range(24)]  # fmt: skip
+    model = tiny_model("qwen3_moe")
+    ek = ma.fit_ekfac(model, ex, projection_dim=8, output_projection_dim=32, progress=False)
+    kw = {"ekfac": ek, "budget": "8KiB", "token_batch_size": 48, "progress": False}
+    cpu = ma.load_index(ma.build_index(model, ex, tmp_path / "cpu", **kw))
+    gpu = ma.load_index(ma.build_index(tiny_model("qwen3_moe").cuda(), ex, tmp_path / "gpu", **kw))
+    assert [b.shape for b in gpu.blocks] == [b.shape for b in cpu.blocks]
+    a, b = np.asarray(gpu.gradients), np.asarray(cpu.gradients)
+    assert np.abs(a - b).max() <= 1e-3 * np.abs(b).max()  # tf32 may be on for CUDA matmuls
+    q = ma.query_gradients(model, ex[:4], cpu)
+    s_cpu, s_gpu = ma.score_matrix(cpu, q, device="cpu"), ma.score_matrix(gpu, q, device="cuda")
+    assert np.abs(s_gpu - s_cpu).max() <= 1e-3 * np.abs(s_cpu).max()
+    ek_gpu = ma.fit_ekfac(tiny_model("qwen3_moe").cuda(), ex, projection_dim=8, output_projection_dim=32,
+                          factor_device="cuda", progress=False)  # fmt: skip
+    again = ma.load_index(ma.build_index(model, ex, tmp_path / "again", **{**kw, "ekfac": ek_gpu}))
+    assert [b.shape for b in again.blocks] == [b.shape for b in cpu.blocks]
