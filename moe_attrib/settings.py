@@ -32,6 +32,11 @@ LEGACY_PROJECTION = "gaussian-cpu-v0"  # what settings without a "projection" ke
 DEFAULT_INDEX_DTYPE = "float32"
 DEFAULT_TOKEN_BATCH_SIZE = 8192
 DEFAULT_BUDGET = 2**20  # bytes per example of an eigenbasis index: 1 MiB (docs/build.md: the LDS frontier)
+# the factors a default `build` fits for its eigenbasis rows: every side sketched to 128, the output layer to 512,
+# rows stored in bfloat16 (the settings the LDS frontier measured: docs/build.md)
+EIGENBASIS_SKETCH = 128
+EIGENBASIS_OUTPUT_SKETCH = 512
+EIGENBASIS_INDEX_DTYPE = "bfloat16"
 AUTO_MIN_BATCHES = 32  # batches of one shape that earn it a CUDA graph under cuda_graphs=None (auto)
 PRECISIONS = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}  # a model dtype's --precision
 MAX_PROJECTION_DIM = 4096  # a p x p block per weight: 16M values at this p
@@ -277,8 +282,10 @@ class CollectSettings(Settings):
     )
     index_dtype: str = setting(
         DEFAULT_INDEX_DTYPE,
-        "how rows are stored: 16-bit halves the index and scoring time (effect on scores: docs/build.md)",
+        f"how rows are stored: 16-bit halves the index and scoring time (effect on scores: docs/build.md); "
+        f"default {EIGENBASIS_INDEX_DTYPE} for an eigenbasis index, {DEFAULT_INDEX_DTYPE} for seeded projections",
         choices=["float32", "float16", "bfloat16"],
+        cli_default=None,
     )
     cuda_graphs: bool | None = setting(
         None,
@@ -294,8 +301,7 @@ class CollectSettings(Settings):
     )
     budget: int | str | None = setting(
         None,
-        "bytes per example of an eigenbasis index (--ekfac), e.g. 256KiB or 1MiB (default 1MiB; "
-        "best with --index_dtype bfloat16: docs/build.md)",
+        "bytes per example of an eigenbasis index, e.g. 256KiB or 1MiB (default 1MiB: docs/build.md)",
     )
 
     def target_dims(self, output_layer: str | None) -> dict[str, int]:

@@ -18,8 +18,11 @@ def test_corpus_is_deterministic_and_queries_point_at_their_fact():
 
 
 def test_demo_runs_and_beats_chance(tmp_path):
-    results = run_demo(tmp_path / "demo", steps=300, projection_dim=16, progress=False)
+    """The default pipeline (eigenbasis rows, their factors kept in the index) finds planted facts."""
+    results = run_demo(tmp_path / "demo", steps=300, progress=False)
     assert json.loads((tmp_path / "demo" / "results.json").read_text())["queries"] == 40
+    manifest = json.loads((tmp_path / "demo" / "index" / "manifest.json").read_text())
+    assert "eigenbasis" in manifest["settings"] and (tmp_path / "demo" / "index" / "ekfac.json").exists()
     best = results["variants"]["default: experts tracked, EK-FAC"]
     assert best["recall@10"] > 2 * 10 / results["train"]  # twice chance@10 even in this short run
     assert best["coverage"] > 0.99

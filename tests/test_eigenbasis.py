@@ -255,22 +255,28 @@ def test_plan_refuses_unfolded_bias_and_missing_factor():
 
 
 def test_inspect_plans_from_config_alone(tmp_path, capsys):
-    """`inspect` on a directory with only config.json: the meta-device model's coverage and the default
-    index's bytes per example, equal to the column plan of the real model."""
+    """`inspect` on a directory with only config.json: the meta-device model's coverage, the default index's bytes
+    per example (equal to what a default build of the real model stores: factors at 128 / 512, 1 MiB of
+    bfloat16, here every direction pair) and the seeded index's (equal to its column plan)."""
     from moe_attrib.app.cli import main
     from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM, column_plan
     from moe_attrib.model.zoo import tiny_config
     from moe_attrib.settings import CollectSettings
 
-    tiny_config("gpt_oss").save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
-    assert main(["inspect", str(tmp_path), "--track_moe_experts"]) == 0
-    out = capsys.readouterr().out
-    line = [x for x in out.splitlines() if x.startswith("index bytes per example: ")]
-    report = ma.discover(tiny_model("gpt_oss"), track_moe_experts=True)
+    tiny_config("gpt_oss").save_pretrained(tmp_path / "config")
+    assert sorted(p.name for p in (tmp_path / "config").iterdir()) == ["config.json"]
+    assert main(["inspect", str(tmp_path / "config"), "--track_moe_experts"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    line = [x for x in out if x.startswith("index bytes per example: ")]
+    model = tiny_model("gpt_oss")
+    exs = examples(4)
+    ek = fit_ekfac(model, exs, projection_dim=128, output_projection_dim=512, token_batch_size=48, progress=False)
+    built = load_index(build_index(model, exs, tmp_path / "ix", ekfac=ek, index_dtype="bfloat16", progress=False))
+    assert line == [f"index bytes per example: {built.gradients.shape[1] * 2}"]
+    report = ma.discover(model, track_moe_experts=True)
     dims = CollectSettings().target_dims(report.output_layer)
-    want = column_plan(report, DEFAULT_PROJECTION_DIM, "separate", target_dims=dims)[-1].stop * 4
-    assert line == [f"index bytes per example: {want}"]
+    seeded = column_plan(report, DEFAULT_PROJECTION_DIM, "separate", target_dims=dims)[-1].stop * 4
+    assert [x for x in out if x.startswith("seeded index")][0].endswith(f", {seeded} bytes per example")
 
 
 def test_inspect_plans_the_eigenbasis_floors_of_qwen3_30b_a3b(capsys):
@@ -283,11 +289,13 @@ def test_inspect_plans_the_eigenbasis_floors_of_qwen3_30b_a3b(capsys):
 
     shape = Path(__file__).parent.parent / "benchmarks" / "shapes" / "qwen3-30b-a3b"
     assert main(["inspect", str(shape), "--track_moe_experts"]) == 0
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eigenbasis index")]
+    out = capsys.readouterr().out.splitlines()
+    line = [x for x in out if x.startswith("eigenbasis floors")]
+    assert "index bytes per example: 1048576" in out  # 1 MiB: 1/49 of the seeded p=32 index's 51,318,784
     floors = 48 * 5 * 32 * 32 + 256 * 256
     per_expert = (2**20 // 2 - floors) / (48 * 128 * 2)
     assert len(line) == 1
-    assert f"floors {floors} columns (241 dense blocks at 32 directions a side, the output layer at 256)" in line[0]
+    assert f"floors: {floors} columns (241 dense blocks at 32 directions a side, the output layer at 256)" in line[0]
     assert line[0].endswith(f"12288 expert blocks share the rest, {per_expert:.1f} columns each")
 
 
@@ -307,7 +315,8 @@ def test_cli_flow_and_refused_factors(tmp_path, capsys):
     assert main(["build", str(model), str(CORPUS), "--index", str(ix), "--ekfac", str(tmp_path / "f"),
                  "--budget", "6KiB", *common]) == 0  # fmt: skip
     index = load_index(ix)
-    assert 0 < index.gradients.shape[1] * 4 <= 6 * 1024
+    assert index.manifest["settings"]["index_dtype"] == "bfloat16"  # an eigenbasis index's default
+    assert 0 < index.gradients.shape[1] * 2 <= 6 * 1024
     assert index.manifest["settings"]["eigenbasis"]["budget_bytes"] == 6 * 1024
     out = tmp_path / "s.jsonl"
     args = ["score", "--index", str(ix), str(model), str(CORPUS), "--out", str(out), "--per_module", "--top_k", "2"]
@@ -319,8 +328,63 @@ def test_cli_flow_and_refused_factors(tmp_path, capsys):
     assert main([*args, "--ekfac", str(tmp_path / "g"), "--overwrite"]) == 2
     assert "not the ones" in capsys.readouterr().err
     assert out.read_bytes() == kept  # refused before any work: the earlier scores stay
-    assert main(["build", str(model), str(CORPUS), "--index", str(tmp_path / "iy"), "--budget", "1KiB", *common]) == 2
-    assert "--ekfac" in capsys.readouterr().err
+    seeded = ["--index", str(tmp_path / "iy"), "--budget", "1KiB", "--projection_dim", "8"]
+    assert main(["build", str(model), str(CORPUS), *seeded, *common]) == 2
+    assert "--budget allocates the eigen-directions" in capsys.readouterr().err
+    assert not (tmp_path / "iy").exists() and not (tmp_path / "iy.part").exists()
+
+
+def test_default_build_fits_keeps_and_scores_with_its_factors(tmp_path, capsys):
+    """`build` with no projection flag fits the factors itself (the sketch of `ekfac` without --index: 128 sides,
+    the output layer at 512), keeps them in the index and stores bfloat16 eigenbasis rows: the same rows as
+    `ekfac` then `build --ekfac`; `score` without --ekfac preconditions with the kept factors (the same scores
+    as `score --ekfac` with the separately fitted ones). A resumed build reads the kept factors back."""
+    import shutil
+
+    from moe_attrib.app.cli import main
+    from moe_attrib.curvature.ekfac import load_ekfac
+    from moe_attrib.model.zoo import save_tiny
+    from tests.test_build import CORPUS, texts
+
+    model = tmp_path / "model"
+    save_tiny(str(model), "qwen3_moe", texts())
+    common = ["--track_moe_experts", "--quiet", "--precision", "fp32", "--budget", "6KiB"]
+    ix, iy = tmp_path / "ix", tmp_path / "iy"
+    assert main(["build", str(model), str(CORPUS), "--index", str(ix), *common]) == 0
+    assert "fitting EK-FAC factors for the eigenbasis rows first" in capsys.readouterr().out
+    assert {"ekfac.json", "factors.safetensors", "eigenbasis.safetensors"} <= {p.name for p in ix.iterdir()}
+    assert main(["ekfac", str(model), str(CORPUS), "--out", str(tmp_path / "f"), *common[:-2]]) == 0
+    assert main(["build", str(model), str(CORPUS), "--index", str(iy), "--ekfac", str(tmp_path / "f"), *common]) == 0
+    a, b = load_index(ix), load_index(iy)
+    assert a.manifest["settings"]["index_dtype"] == "bfloat16" and a.gradients.shape[1] * 2 <= 6 * 1024
+    assert np.array_equal(np.asarray(a.gradients), np.asarray(b.gradients))
+    kept, fitted = load_ekfac(ix), load_ekfac(tmp_path / "f")
+    assert (kept.projection_dim, kept.output_projection_dim) == (fitted.projection_dim, 512) == (128, 512)
+    assert all(torch.equal(kept.factors[k].lam, fitted.factors[k].lam) for k in fitted.factors)
+    out = {}
+    for name, extra in (("kept", []), ("given", ["--ekfac", str(tmp_path / "f")])):
+        out[name] = tmp_path / f"{name}.jsonl"
+        args = ["score", "--index", str(ix), str(model), str(CORPUS), "--out", str(out[name]), "--top_k", "3"]
+        assert main([*args, *extra]) == 0
+    assert "preconditioning with the EK-FAC factors kept in the index" in capsys.readouterr().out
+    assert out["kept"].read_bytes() == out["given"].read_bytes()
+    plain = tmp_path / "plain.jsonl"  # the same rows without preconditioning rank differently
+    assert main(["score", "--index", str(iy), str(model), str(CORPUS), "--out", str(plain), "--top_k", "3"]) == 0
+    assert plain.read_bytes() != out["kept"].read_bytes()
+    # an interrupted build: its rows not all written yet, its factors kept in INDEX.part
+    part = tmp_path / "iz.part"
+    shutil.copytree(ix, part)
+    manifest = json.loads((part / "manifest.json").read_text())
+    (part / "manifest.json").write_text(json.dumps({**manifest, "complete": False}))
+    np.save(part / "done.npy", np.zeros(manifest["num_batches"], dtype=np.uint8))
+    (part / "gradients.npy").write_bytes(b"")  # rewritten below
+    shutil.copy(ix / "gradients.npy", part / "gradients.npy")
+    np.lib.format.open_memmap(part / "gradients.npy", mode="r+")[:] = 0
+    capsys.readouterr()
+    assert main(["build", str(model), str(CORPUS), "--index", str(tmp_path / "iz"), "--resume", *common]) == 0
+    said = capsys.readouterr().out
+    assert "not fitted again" in said and "fitting EK-FAC" not in said
+    assert np.array_equal(np.asarray(load_index(tmp_path / "iz").gradients), np.asarray(a.gradients))
 
 
 def test_token_rows_sum_to_example_rows(tmp_path):

@@ -117,12 +117,22 @@ def test_score_queries_from_python_gives_the_recorded_records():
 
 
 def test_build_without_projection_flags_projects_to_the_default(tmp_path):
-    """No --projection_dim: p = DEFAULT_PROJECTION_DIM (32), as 0.1.0 built; --no_projection: exact rows."""
+    """No projection flag: an eigenbasis index whose factors the build fitted (sketch 128, bfloat16 rows), no
+    longer 0.1.0's p = 32; a seeded flag (--expert_blocks sum) without --projection_dim: p = DEFAULT_PROJECTION_DIM
+    (32), as 0.1.0 built; --no_projection: exact rows."""
     from moe_attrib.indexing.index import load_index
 
     train = str(LEGACY / "train.jsonl")
     assert main(["build", "tiny:mixtral", train, "--index", str(tmp_path / "a"), "--quiet", "--device", "cpu"]) == 0
-    assert load_index(tmp_path / "a").settings.collect.projection_dim == 32
+    a = load_index(tmp_path / "a")
+    assert "eigenbasis" in a.manifest["settings"] and a.settings.collect.projection_dim == 128 and a.dtype == "bfloat16"
+    seeded = ["--expert_blocks", "sum"]
+    assert (
+        main(["build", "tiny:mixtral", train, "--index", str(tmp_path / "c"), "--quiet", "--device", "cpu", *seeded])
+        == 0
+    )
+    c = load_index(tmp_path / "c")
+    assert c.settings.collect.projection_dim == 32 and c.dtype == "float32"
     exact = ["--no_projection", "--filter_modules", "lm_head"]
     assert (
         main(["build", "tiny:mixtral", train, "--index", str(tmp_path / "b"), "--quiet", "--device", "cpu", *exact])

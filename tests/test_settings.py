@@ -24,7 +24,32 @@ from moe_attrib.settings import (
 
 HELP = Path(__file__).parent / "data" / "help-0.1.0"
 CHANGED_DEFAULTS = {  # command: [(0.1.0's help text, today's)]
-    "ekfac": [("over --damping_scope (default: 1.0)", "over --damping_scope (default: 0.01)")],
+    "ekfac": [
+        ("over --damping_scope (default: 1.0)", "over --damping_scope (default: 0.01)"),
+        (
+            "p x p (default 32, or the index's)",
+            "p x p (default: the index's; without --index 128, the sketch of\n"
+            "                        factors for eigenbasis builds: docs/build.md)",
+        ),
+    ],
+    "build": [  # build's default became the eigenbasis index: bfloat16 rows, its factors fitted by the build
+        (
+            "docs/build.md) (default: float32)",
+            "docs/build.md); default bfloat16 for an eigenbasis index, float32 for seeded projections",
+        ),
+        (
+            "EK-FAC factors (moe-attrib ekfac --out DIR): store rows in their eigenbasis, columns allocated\n"
+            "                        by --budget; the factors' sketch replaces --projection_dim/--seed "
+            "(docs/build.md)\n"
+            "  --budget BUDGET       bytes per example of an eigenbasis index (--ekfac), e.g. 256KiB or 1MiB (default "
+            "1MiB; best\n                        with --index_dtype bfloat16: docs/build.md)",
+            "EK-FAC factors fitted already (moe-attrib ekfac --out DIR): rows in their eigenbasis, not\n"
+            "                        fitted again (default: fitted by this build, at --projection_dim 128 "
+            "--output_projection_dim\n                        512; docs/build.md)\n"
+            "  --budget BUDGET       bytes per example of an eigenbasis index, e.g. 256KiB or 1MiB (default 1MiB: "
+            "docs/build.md)",
+        ),
+    ],
 }
 ADDED_FLAGS = {  # command: flags added since 0.1.0 (each in CHANGELOG.md)
     "build": ["--output_projection_dim"],
@@ -84,6 +109,8 @@ def parse(*argv: str):
 def test_flags_give_0_1_0s_defaults():
     """The settings a bare command line gives are the values 0.1.0's commands passed on."""
     build = parse("build", "m", "d", "--index", "i")
+    assert build.index_dtype is None  # resolved by `build`: bfloat16 for its default eigenbasis index
+    build.index_dtype = "float32"
     assert CollectSettings.from_args(build, projection_dim=32) == CollectSettings(track_moe_experts=False)
     assert DataSettings.from_args(build) == DataSettings()
     ekfac = parse("ekfac", "m", "d", "--out", "o")

@@ -13,8 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_attrib.settings import (
+    DEFAULT_INDEX_DTYPE,
     DEFAULT_OUTPUT_PROJECTION_DIM,
     DEFAULT_PROJECTION_DIM,
+    EIGENBASIS_INDEX_DTYPE,
+    EIGENBASIS_OUTPUT_SKETCH,
+    EIGENBASIS_SKETCH,
     PRECISIONS,
     CollectSettings,
     DataSettings,
@@ -54,8 +58,6 @@ def notes():
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    import numpy as np
-
     from moe_attrib.model.discovery import discover
 
     model = inspected_model(args.model, args.precision)
@@ -78,29 +80,37 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if report.routers:
         print("\nrouters: " + ", ".join(report.routers))
     if report.targets:
-        from moe_attrib.indexing.index import DEFAULT_INDEX_DTYPE, INDEX_DTYPES, column_plan
-
-        st = CollectSettings()
-        dims = st.target_dims(report.output_layer)
-        columns = column_plan(report, st.projection_dim, "separate", st.projection, dims)[-1].stop
-        size = np.dtype(INDEX_DTYPES[DEFAULT_INDEX_DTYPE]).itemsize
-        own = "".join(f", {name} at {dim}" for name, dim in dims.items())
-        print(f"\ndefault index (p={st.projection_dim}{own}, {DEFAULT_INDEX_DTYPE}): {columns} columns per example")
-        print(f"index bytes per example: {columns * size}")
-        from moe_attrib.curvature.eigenbasis import plan_floors
+        from moe_attrib.curvature.eigenbasis import DTYPE_BYTES, plan_floors
+        from moe_attrib.indexing.index import column_plan
         from moe_attrib.settings import DEFAULT_BUDGET
 
-        fl = plan_floors(report)
+        fl = plan_floors(report, EIGENBASIS_SKETCH, EIGENBASIS_OUTPUT_SKETCH)
+        stored = fl.stored(DEFAULT_BUDGET, EIGENBASIS_INDEX_DTYPE)
+        print(
+            f"\ndefault index (eigenbasis rows, --budget {DEFAULT_BUDGET // 2**20}MiB in {EIGENBASIS_INDEX_DTYPE}; "
+            f"build fits EK-FAC factors at --projection_dim {EIGENBASIS_SKETCH} --output_projection_dim "
+            f"{EIGENBASIS_OUTPUT_SKETCH} first): {stored} columns per example"
+        )
+        print(f"index bytes per example: {stored * DTYPE_BYTES[EIGENBASIS_INDEX_DTYPE]}")
+        each = fl.per_expert(DEFAULT_BUDGET, EIGENBASIS_INDEX_DTYPE)
         rest = (
-            f"; {fl.expert_blocks} expert blocks share the rest, {fl.per_expert(DEFAULT_BUDGET, 'bfloat16'):.1f} "
-            "columns each"
+            f"; {fl.expert_blocks} expert blocks share the rest, {each:.1f} columns each"
             if fl.expert_blocks
             else "; the greedy spends the rest"
         )
+        if stored == fl.directions:
+            rest = f"; the budget holds every direction pair ({fl.directions} columns)"
         print(
-            f"eigenbasis index (ekfac --projection_dim 128 --output_projection_dim 512, then build --ekfac, "
-            f"--budget {DEFAULT_BUDGET // 2**20}MiB --index_dtype bfloat16): floors {fl.columns} columns "
-            f"({fl.dense_blocks} dense blocks at {fl.dense} directions a side, the output layer at {fl.output}){rest}"
+            f"eigenbasis floors: {fl.columns} columns ({fl.dense_blocks} dense blocks at {fl.dense} directions a "
+            f"side, the output layer at {fl.output}){rest}"
+        )
+        st = CollectSettings()
+        dims = st.target_dims(report.output_layer)
+        columns = column_plan(report, st.projection_dim, "separate", st.projection, dims)[-1].stop
+        own = "".join(f", {name} at {dim}" for name, dim in dims.items())
+        print(
+            f"seeded index (build --projection_dim {st.projection_dim}{own}, {DEFAULT_INDEX_DTYPE}): {columns} "
+            f"columns, {columns * DTYPE_BYTES[DEFAULT_INDEX_DTYPE]} bytes per example"
         )
     return 0
 
@@ -133,6 +143,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     from moe_attrib.workflows.attribution import build_from_files
 
     check_projection_flags(args)
+    fitting = not args.ekfac and not seeded_flags(args)  # the default: an eigenbasis index, its factors fitted here
+    if args.index_dtype is None:
+        args.index_dtype = EIGENBASIS_INDEX_DTYPE if fitting or args.ekfac else DEFAULT_INDEX_DTYPE
     if args.projection_dim is None:
         args.projection_dim = DEFAULT_PROJECTION_DIM
     settings = CollectSettings.from_args(args, projection_dim=projection(args))
@@ -140,8 +153,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         with value_errors(), notes():
             path = build_from_files(
                 args.model, args.data, args.index, settings, reading=DataSettings.from_args(args), ekfac=args.ekfac,
-                precision=args.precision, device=args.device, fsdp=args.fsdp, resume=args.resume,
-                overwrite=args.overwrite, progress=not args.quiet, log=say,
+                fit=EkfacSettings() if fitting else None, precision=args.precision, device=args.device,
+                fsdp=args.fsdp, resume=args.resume, overwrite=args.overwrite, progress=not args.quiet, log=say,
             )  # fmt: skip
     except KeyboardInterrupt:
         if part_dir(args.index).exists():
@@ -152,7 +165,22 @@ def cmd_build(args: argparse.Namespace) -> int:
     if is_main_process():
         manifest = json.loads((Path(path) / "manifest.json").read_text())
         print(f"index written to {path} ({manifest['rows']:,} rows for {manifest['examples']:,} examples)")
+        if fitting:
+            print(f"with the EK-FAC factors it was built on: `moe-attrib score --index {path} ...` preconditions "
+                  "with them")  # fmt: skip
     return 0
+
+
+def seeded_flags(args: argparse.Namespace) -> list[str]:
+    """The `build` flags given that ask for rows of seeded projections instead of the default eigenbasis rows."""
+    given = {
+        "--projection_dim": args.projection_dim is not None,
+        "--no_projection": args.no_projection,
+        "--output_projection_dim": args.output_projection_dim is not None,
+        "--optimizer_state": bool(args.optimizer_state),
+        "--expert_blocks sum": args.expert_blocks == "sum",
+    }
+    return [flag for flag, on in given.items() if on]
 
 
 def say(line: str) -> None:
@@ -241,8 +269,10 @@ def cmd_ekfac(args: argparse.Namespace) -> int:
     check_out_dir(args.out, args.overwrite, "--out")
     index_projection(args)
     args.seed = 0 if args.seed is None else args.seed
-    if args.projection_dim is None:
-        args.projection_dim = DEFAULT_PROJECTION_DIM
+    if args.projection_dim is None and not args.no_projection:  # no --index: factors for eigenbasis builds
+        args.projection_dim = EIGENBASIS_SKETCH
+        if args.output_projection_dim is None:
+            args.output_projection_dim = EIGENBASIS_OUTPUT_SKETCH
     if args.output_projection_dim is None:
         args.output_projection_dim = DEFAULT_OUTPUT_PROJECTION_DIM
     collect = CollectSettings.from_args(args, projection_dim=projection(args))
@@ -492,9 +522,16 @@ def add_projection_args(parser: argparse.ArgumentParser, from_index: bool = Fals
     """`--projection_dim`/`--no_projection`/`--seed`, shared by `build` and `ekfac` (they must agree).
 
     With `from_index` (ekfac's `--index DIR`) both default to None: the index's, else the defaults."""
-    index = {"help": f"p: each weight block is p x p (default {DEFAULT_PROJECTION_DIM}, or the index's)"}
+    index = {
+        "help": f"p: each weight block is p x p (default: the index's; without --index {EIGENBASIS_SKETCH}, the "
+        "sketch of factors for eigenbasis builds: docs/build.md)"
+    }
     add_flags(parser, CollectSettings, ["projection_dim"], projection_dim=index if from_index else {})
-    output = {"default": None, "help": "the output layer's (lm_head's) own p (default: the index's, else build's)"}
+    output = {
+        "default": None,
+        "help": f"the output layer's (lm_head's) own p (default: the index's; without --index and --projection_dim "
+        f"{EIGENBASIS_OUTPUT_SKETCH})",
+    }
     add_flags(parser, CollectSettings, ["output_projection_dim"], output_projection_dim=output if from_index else {})
     parser.add_argument("--no_projection", action="store_true", help="exact, unprojected rows (small models)")
     add_flags(parser, CollectSettings, ["seed"], seed={"default": None} if from_index else {})
@@ -529,7 +566,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     inspect.set_defaults(func=cmd_inspect)
 
-    build = sub.add_parser("build", help="per-example projected gradients of a dataset, written to an index")
+    build = sub.add_parser(
+        "build",
+        help="per-example gradients of a dataset, written to an index (by default in the EK-FAC eigenbasis, "
+        "the factors fitted first and kept with it; --projection_dim P for seeded projections)",
+    )
     add_collection_args(build)
     build.add_argument("--index", required=True, help="output directory (written as DIR.part, renamed when done)")
     add_projection_args(build)
@@ -540,8 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--ekfac",
         default=None,
         metavar="DIR",
-        help="EK-FAC factors (moe-attrib ekfac --out DIR): store rows in their eigenbasis, columns allocated by "
-        "--budget; the factors' sketch replaces --projection_dim/--seed (docs/build.md)",
+        help="EK-FAC factors fitted already (moe-attrib ekfac --out DIR): rows in their eigenbasis, not fitted "
+        "again (default: fitted by this build, at --projection_dim 128 --output_projection_dim 512; docs/build.md)",
     )
     add_flags(build, CollectSettings, ["budget"])
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")

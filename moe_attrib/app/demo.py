@@ -3,7 +3,8 @@
 Offline and on CPU: a three-domain corpus (`moe_attrib.synthetic`: facts about made-up people,
 modular arithmetic, sequence reversal; the domains use disjoint words, so the routers send them to
 different experts), a word-level tokenizer trained on it, a tiny Qwen3-MoE trained briefly, an
-index built with every expert tracked, EK-FAC fitted in the projected space, and scores for
+index built with every expert tracked (EK-FAC factors fitted first, rows stored in their eigenbasis: the
+default `build`), and scores for
 queries that restate some facts. A query is a hit at k when the fact it restates is among
 the top k training examples. Each answer word is shared by about a sixth of the people, so the
 answer alone (what `lm_head`'s gradient mostly encodes) cannot identify the fact: the person's
@@ -118,17 +119,21 @@ def run_demo(
 ) -> dict:
     """Run the whole demo with the default pipeline; returns (and writes to `out/results.json`) the recall table.
 
+    The default pipeline is `build`'s: EK-FAC factors fitted first (sides sketched to `EIGENBASIS_SKETCH`, the
+    output layer to `EIGENBASIS_OUTPUT_SKETCH`), rows stored in their eigenbasis under the default budget in
+    bfloat16, the factors kept in the index; `projection_dim` builds seeded projections of that p instead.
     A non-empty `out` is refused (`DemoError`) unless `overwrite`, which replaces only the
     files the demo writes (`OUTPUTS`)."""
     from moe_attrib.curvature.ekfac import fit_ekfac
     from moe_attrib.data import load_examples
-    from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM, load_index, part_dir, remove_index
+    from moe_attrib.indexing.index import load_index, part_dir, remove_index
     from moe_attrib.model.zoo import tiny_model, train_tokenizer
     from moe_attrib.scoring.score import DEFAULT_UNIT_NORMALIZE, group_parts, query_gradients, score
+    from moe_attrib.settings import EIGENBASIS_INDEX_DTYPE, EIGENBASIS_OUTPUT_SKETCH, EIGENBASIS_SKETCH
     from moe_attrib.workflows.build import build_index
 
     start = time.perf_counter()
-    p = projection_dim or DEFAULT_PROJECTION_DIM
+    eigen = projection_dim is None
     out = Path(out).resolve()  # the index records absolute paths: it scores from any directory
     check_out(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +156,8 @@ def run_demo(
     sources = np.array([q["source"] for q in queries])
     unit = DEFAULT_UNIT_NORMALIZE
     results: dict = {"queries": len(queries), "train": len(train), "chance_at_1": 1 / len(train),
-                     "answer_shared_by": float(shared), "projection_dim": p, "variants": {}}  # fmt: skip
+                     "answer_shared_by": float(shared), "rows": "eigenbasis" if eigen else f"p={projection_dim}",
+                     "variants": {}}  # fmt: skip
 
     def recall(name: str, res, coverage: float) -> None:
         hit1 = float(np.mean(res.rows[:, 0] == sources))
@@ -162,12 +168,18 @@ def run_demo(
     for tracked in (True, False):
         path = out / ("index" if tracked else "index-no-experts")
         remove_index(part_dir(path))  # a demo's own interrupted build (check_out refused anything else)
-        build_index(model, examples, path, model_name=str(out / "model"), track_moe_experts=tracked,
-                    projection_dim=p, seed=seed, token_batch_size=1024, progress=progress, overwrite=True,
-                    extra_settings={"data": str(out / "train.jsonl")})  # fmt: skip
+        common = {"track_moe_experts": tracked, "seed": seed, "token_batch_size": 1024, "progress": progress}
+        if eigen:  # build's default: the factors first, the rows in their eigenbasis, the factors kept with them
+            ek = fit_ekfac(model, examples, projection_dim=EIGENBASIS_SKETCH,
+                           output_projection_dim=EIGENBASIS_OUTPUT_SKETCH, **common)  # fmt: skip
+            build_index(model, examples, path, model_name=str(out / "model"), ekfac=ek, keep_factors=True,
+                        index_dtype=EIGENBASIS_INDEX_DTYPE, overwrite=True,
+                        extra_settings={"data": str(out / "train.jsonl")}, **common)  # fmt: skip
+        else:
+            build_index(model, examples, path, model_name=str(out / "model"), projection_dim=projection_dim,
+                        overwrite=True, extra_settings={"data": str(out / "train.jsonl")}, **common)  # fmt: skip
+            ek = fit_ekfac(model, examples, projection_dim=projection_dim, **common)
         index = load_index(path)
-        ek = fit_ekfac(model, examples, track_moe_experts=tracked, projection_dim=p, seed=seed,
-                       token_batch_size=1024, progress=progress)  # fmt: skip
         q, counts = query_gradients(model, qexamples, index, with_counts=True)
         indexes[tracked] = (index, q, ek, counts)
         cov = index.manifest["coverage"]

@@ -416,11 +416,16 @@ class FloorPlan:
     dense: int  # floor a side of a dense block
     output: int  # floor a side of the output layer
     columns: int  # the floors' cells
+    directions: int = 0  # every direction pair of every block at the factors' sketch: the most an index stores
 
     def per_expert(self, budget: int | str, index_dtype: str) -> float:
         """Columns each expert block gets, on average, from what the floors leave of `budget`."""
         left = budget_columns(parse_bytes(budget), index_dtype) - self.columns
         return max(left, 0) / max(self.expert_blocks, 1)
+
+    def stored(self, budget: int | str, index_dtype: str) -> int:
+        """Columns an index of `budget` stores: the budget's, or every direction pair where it buys more."""
+        return min(budget_columns(parse_bytes(budget), index_dtype), self.directions)
 
 
 def plan_floors(report: CoverageReport, sketch: int | None = 128, output_sketch: int | None = 512) -> FloorPlan:
@@ -429,15 +434,16 @@ def plan_floors(report: CoverageReport, sketch: int | None = 128, output_sketch:
     folded bias included) clipped to the dense floor or, for the output layer, `output_floor`."""
     out = output_floor(vocabulary(report), DENSE_DIRECTIONS)
     dims = output_dims(report.output_layer, sketch, output_sketch)
-    dense_blocks = expert_blocks = cells = 0
+    dense_blocks = expert_blocks = cells = directions = 0
     for name, _transposed, experts, a, g, _fold in factor_dims(report, sketch, True, target_dims=dims):
+        directions += a * g * (experts or 1)
         if experts:
             expert_blocks += experts
             continue
         dense_blocks += 1
         r = out if name == report.output_layer else DENSE_DIRECTIONS
         cells += min(r, a) * min(r, g)
-    return FloorPlan(dense_blocks, expert_blocks, DENSE_DIRECTIONS, out, cells)
+    return FloorPlan(dense_blocks, expert_blocks, DENSE_DIRECTIONS, out, cells, directions)
 
 
 def vocabulary(report: CoverageReport) -> int:

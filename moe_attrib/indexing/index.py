@@ -50,6 +50,8 @@ INDEX_FILES = (
     "done.npy",
     "owner.json",
     "eigenbasis.safetensors",  # an eigenbasis index's kept eigenvectors (moe_attrib.curvature.eigenbasis)
+    "factors.safetensors",  # the EK-FAC factors a default build fitted for its rows (EKFAC.save's files)
+    "ekfac.json",
 )
 OWNER_FILE = "owner.json"  # in DIR.part: the build writing it (pid, host, start time)
 

@@ -41,6 +41,8 @@ from moe_attrib.scoring.score import Scores
 from moe_attrib.settings import (
     DEFAULT_BUDGET,
     DEFAULT_PROJECTION_DIM,
+    EIGENBASIS_OUTPUT_SKETCH,
+    EIGENBASIS_SKETCH,
     PRECISIONS,
     CollectSettings,
     DataSettings,
@@ -68,6 +70,7 @@ def build_from_files(
     *,
     reading: DataSettings | None = None,
     ekfac: str | Path | None = None,
+    fit: EkfacSettings | None = None,
     precision: str = "auto",
     device: str | None = None,
     fsdp: bool = False,
@@ -82,7 +85,10 @@ def build_from_files(
     `settings` is how rows are collected (`moe_attrib.settings.CollectSettings`), `reading` how the data
     are read (`DataSettings`: text field, split, tokenizer, `max_length`/`truncate`; recorded in the
     manifest). With `ekfac` (a directory of fitted factors) rows are stored in their eigenbasis, `budget`
-    bytes per example (`CollectSettings.budget`, default 1 MiB). `precision` ("auto", "fp32", "bf16",
+    bytes per example (`CollectSettings.budget`, default 1 MiB). With `fit` instead (how to fit them:
+    `EkfacSettings`; what `moe-attrib build` does by default) the factors are fitted first, on the same model
+    and data, at the eigenbasis sketch (`eigenbasis_collection`), and kept in the index directory; a resumed
+    build reads them back from `INDEX.part` instead of fitting again. `precision` ("auto", "fp32", "bf16",
     "fp16") is the model's dtype. Under torchrun, `fsdp` shards the model over the ranks; a model that does
     not fit one device is sharded without it. `resume` continues an interrupted build in `INDEX.part`,
     `overwrite` replaces an existing index. Everything is checked before any compute. `log` receives
@@ -96,7 +102,7 @@ def build_from_files(
     if not resume:
         check_index_target(index, overwrite)
     check_parent_writable(Path(index), "--index")
-    factors, st = eigenbasis_factors(ekfac, st)
+    factors, st = eigenbasis_factors(ekfac, st, fitting=fit is not None)
     dist = placed(model, precision, device, fsdp, "build", say)
     if st.cuda_graphs:
         from moe_attrib.workflows.build import check_graphable
@@ -105,9 +111,44 @@ def build_from_files(
             check_graphable(dist.device, st.recompute, dist.fsdp)
     tokenizer, examples, net, pad, reading = load_inputs(model, data, reading or DataSettings(), precision, dist)
     sharding_plan(net, dist, st, False, say)
-    return build_index(net, examples, index, st, model_name=model_name(model), ekfac=factors, resume=resume,
-                       overwrite=overwrite, pad_id=pad, extra_settings=data_record(data, reading, tokenizer), dist=dist,
-                       progress=progress)  # fmt: skip
+    record = data_record(data, reading, tokenizer)
+    if fit is not None:
+        factors = own_factors(net, examples, index, st, fit, resume, pad, dist, progress, say)
+        factors.settings.update(record)
+        factors.settings.update(model=model_name(model), data_fingerprint=fingerprint(examples),
+                                dtype=str(next(net.parameters()).dtype))  # fmt: skip
+    return build_index(net, examples, index, st, model_name=model_name(model), ekfac=factors,
+                       keep_factors=fit is not None, resume=resume, overwrite=overwrite, pad_id=pad,
+                       extra_settings=record, dist=dist, progress=progress)  # fmt: skip
+
+
+def eigenbasis_collection(st: CollectSettings) -> CollectSettings:
+    """How a default build's factors are fitted: every side sketched to `EIGENBASIS_SKETCH`, the output layer
+    to `EIGENBASIS_OUTPUT_SKETCH` (the settings `docs/build.md`'s LDS frontier measured), with the build's
+    seed, tracking, modules and batching."""
+    return CollectSettings(
+        track_moe_experts=st.track_moe_experts, filter_modules=st.filter_modules, token_batch_size=st.token_batch_size,
+        recompute=st.recompute, projection_dim=EIGENBASIS_SKETCH, output_projection_dim=EIGENBASIS_OUTPUT_SKETCH,
+        seed=st.seed,
+    )  # fmt: skip
+
+
+def own_factors(net, examples, index, st: CollectSettings, fit: EkfacSettings, resume: bool, pad, dist, progress, say):
+    """The factors of a build that fits its own: read back from an interrupted build's `INDEX.part` when
+    resuming one that had kept them, else fitted now."""
+    from moe_attrib.curvature.ekfac import fit_ekfac, load_ekfac
+    from moe_attrib.indexing.index import part_dir
+
+    kept = part_dir(index)
+    if resume and (kept / "ekfac.json").exists():
+        say(f"resuming: the EK-FAC factors the interrupted build fitted ({kept}), not fitted again")
+        return load_ekfac(kept)
+    collect = eigenbasis_collection(st)
+    say(f"fitting EK-FAC factors for the eigenbasis rows first (sides sketched to {collect.projection_dim}, the "
+        f"output layer to {collect.output_projection_dim}; kept in {index}): two passes over the data, then "
+        "the rows' pass")  # fmt: skip
+    return fit_ekfac(net, examples, fit.replace(factor_device=fit.factor_device or dist.device), collect=collect,
+                     pad_id=pad, dist=dist, progress=progress)  # fmt: skip
 
 
 def fit_from_files(
@@ -173,19 +214,28 @@ def checked_collection(model: str, device: str | None, st: CollectSettings) -> C
     return st
 
 
-def eigenbasis_factors(ekfac: str | Path | None, st: CollectSettings):
+def eigenbasis_factors(ekfac: str | Path | None, st: CollectSettings, fitting: bool = False):
     """An eigenbasis build's factors (on the CPU) and the settings with the budget in bytes, checked
-    before any work; `(None, st)` for an index of seeded projections."""
+    before any work; `(None, st)` for an index of seeded projections, or (`fitting`) one whose factors
+    the build fits itself."""
     from moe_attrib.curvature.eigenbasis import parse_bytes
     from moe_attrib.curvature.ekfac import load_ekfac
 
-    if not ekfac:
+    if ekfac and fitting:
+        raise UsageError("give fitted factors (--ekfac DIR) or let the build fit them, not both.")
+    if not ekfac and not fitting:
         if st.budget is not None:
-            raise UsageError("--budget allocates the eigen-directions of EK-FAC factors: give them with --ekfac DIR.")
+            raise UsageError(
+                "--budget allocates the eigen-directions of EK-FAC factors, which --projection_dim / "
+                "--no_projection / --optimizer_state / --expert_blocks sum leave out; drop those flags (build then "
+                "fits the factors) or give fitted ones with --ekfac DIR."
+            )
         return None, st
     budget = parse_bytes(st.budget or DEFAULT_BUDGET)
     if st.expert_blocks != "separate" or st.optimizer_state:
-        raise UsageError("--ekfac (an eigenbasis index) needs --expert_blocks separate and no --optimizer_state.")
+        raise UsageError("an eigenbasis index needs --expert_blocks separate and no --optimizer_state.")
+    if fitting:
+        return None, st.replace(budget=budget)
     factors = load_ekfac(ekfac)
     sketch = factors.projection_dim
     given = st.projection_dim is None or st.projection_dim not in (DEFAULT_PROJECTION_DIM, sketch)
@@ -340,7 +390,8 @@ def score_queries(
     """Score the queries in the file `queries` against the index directory `index` built from `model`.
 
     `settings` is how (`moe_attrib.settings.ScoreSettings`: normalisation, modules, re-damping, coupling,
-    balance, top-k, per-module parts). `ekfac`: the EK-FAC directory (or partitions) fitted for the index.
+    balance, top-k, per-module parts). `ekfac`: the EK-FAC directory (or partitions) fitted for the index;
+    None: the factors kept in the index directory, if its build fitted them (`build`'s default), else none.
     `refine` (with `iterations` > 0) replaces EK-FAC, coupling and balance by CG on the exact Gauss-Newton
     matrix, preconditioned by `refine_ekfac` factors (unprojected) if given. `all_scores` (a `.npy` path)
     also keeps every score, with its description beside it; `average_with` ranks by the mean with other
@@ -354,6 +405,9 @@ def score_queries(
     refining = refine is not None and refine.iterations != 0
     ekfac_dirs = [ekfac] if isinstance(ekfac, str | Path) else list(ekfac or [])
     say = log or (lambda line: None)
+    if not ekfac_dirs and not refining and (Path(index) / "ekfac.json").exists():
+        ekfac_dirs = [str(index)]  # the factors a default build fitted and kept with its rows
+        say(f"preconditioning with the EK-FAC factors kept in the index ({index})")
     check_model_spec(model)
     check_device(device)
     if (st.damping is not None or st.damping_scope is not None) and not ekfac_dirs:

@@ -53,6 +53,7 @@ def build_index(
     *,
     model_name: str = "",
     ekfac: EKFAC | None = None,
+    keep_factors: bool = False,
     resume: bool = False,
     overwrite: bool = False,
     pad_id: int = 0,
@@ -93,7 +94,9 @@ def build_index(
     `budget` bytes per example (an int or a string such as "256KiB"; default `DEFAULT_BUDGET`)
     allocated over every block by the corrected eigenvalues, the factors' sketch (projection_dim,
     seed, kind) standing in for `projection_dim`, `seed` and `projection`; the manifest records the
-    allocation and the factors' fingerprint, and `score` preconditions elementwise.
+    allocation and the factors' fingerprint, and `score` preconditions elementwise. `keep_factors` also
+    writes the factors into the index directory (`factors.safetensors`, `ekfac.json`: what `build` does when it
+    fits them itself), so `load_ekfac(index)` and `score` find them there.
     """
     from moe_attrib.version import __version__
 
@@ -130,8 +133,8 @@ def build_index(
         blocks = plan.blocks
         if not blocks:
             raise ValueError(f"a budget of {budget} bytes per example buys no column in {index_dtype}.")
-    elif budget is not None:
-        raise ValueError("budget= allocates eigen-directions of EK-FAC factors: pass ekfac= (build --ekfac DIR).")
+    elif budget is not None or keep_factors:
+        raise ValueError("budget= and keep_factors= are for an eigenbasis index: pass its factors, ekfac=.")
     else:
         output_projection_dim = own_output_dim(projection_dim, st.output_projection_dim)
         target_dims = output_dims(report.output_layer, projection_dim, output_projection_dim)
@@ -198,6 +201,8 @@ def build_index(
         )
         if plan is not None:
             plan.save(writer.dir)
+        if keep_factors and not (writer.dir / "ekfac.json").exists():  # a resumed build has them already
+            ekfac.save(writer.dir)
     dist.barrier()
     if not dist.is_main:
         writer = IndexWriter(index, manifest, create=False, index_dtype=index_dtype, **shape)
