@@ -71,6 +71,7 @@ def run(
     dense: tuple[int, ...] = (0,),
     output_floors: tuple[int, ...] = (0,),
     exact: bool = True,
+    groups: bool = False,
 ) -> dict:
     """Every variant of configuration `name` (`core`: only the default, exact rows and the eigenbasis
     budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations). The scaled eigenbasis
@@ -80,34 +81,45 @@ def run(
     and each dense floor of `dense` (`eigenbasis.DENSE_DIRECTIONS`: r x r leading directions for every
     dense block before the greedy; the budget is then scaled per kind of block: the floors, plus each
     expert block's share of what the floors leave of the budget on Qwen3-30B-A3B, whose dense blocks
-    all have sides wider than r)."""
+    all have sides wider than r). `groups`: each scaled eigenbasis index also scored through each module group
+    alone (`score --modules`, `lds.groups`), and the same budget built without `--track_moe_experts` (factors
+    fitted untracked): the rows docs/quality.md compares the default with."""
     cached = lds.load_cached(name, root)
     model = cached.model()
     subsets, losses, examples, queries = cached.subsets, cached.losses, cached.examples, cached.queries
     results: dict[str, dict] = {}
     factors: dict = {}
 
-    def ekfac(p, width=None):
-        if (p, width) not in factors:
-            factors[p, width] = ma.fit_ekfac(
-                model, examples, projection_dim=p, output_projection_dim=width, progress=False
+    def ekfac(p, width=None, tracked=True):
+        if (p, width, tracked) not in factors:
+            factors[p, width, tracked] = ma.fit_ekfac(
+                model,
+                examples,
+                projection_dim=p,
+                output_projection_dim=width,
+                track_moe_experts=tracked,
+                progress=False,
             )
-        return factors[p, width]
+        return factors[p, width, tracked]
 
     with tempfile.TemporaryDirectory() as tmp:
 
-        def add(label: str, ek, allocation: float | None = None, floor: int = 0, out_floor: int = 0, **build) -> None:
+        def add(
+            label: str, ek, allocation: float | None = None, floor: int = 0, out_floor: int = 0, alone=None, **build
+        ) -> None:
             t0 = time.perf_counter()
             path = Path(tmp) / f"index-{len(results)}"
             with allocation_rule(floor, out_floor, allocation):
                 ma.build_index(model, examples, path, progress=False, **build)
             index = ma.load_index(path)
             q = ma.query_gradients(model, queries, index)
-            scores = ma.score_matrix(index, q, ekfac=ek, device="cpu")
-            values = lds.per_query_lds(scores, subsets, losses)
-            results[label] = {"bytes": bytes_per_example(index), "values": values}
-            print(f"  {name}: {label}: {results[label]['bytes']} B/example, LDS {values.mean():.3f} "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+            for group, glob in {None: None, **(alone or {})}.items():
+                scores = ma.score_matrix(index, q, ekfac=ek, modules=glob, device="cpu")
+                values = lds.per_query_lds(scores, subsets, losses)
+                mine = label if group is None else f"{label}, {group} alone"
+                results[mine] = {"bytes": bytes_per_example(index), "values": values}
+                print(f"  {name}: {mine}: {results[mine]['bytes']} B/example, LDS {values.mean():.3f} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
 
         p0 = DEFAULT_PROJECTION_DIM
         add(DEFAULT, ekfac(p0), projection_dim=p0)
@@ -141,7 +153,12 @@ def run(
                         label += "" if width is None else f", output sketch {width}"
                         label += "" if r == 0 else f", dense floor {r}"
                         label += "" if ro == 0 else f", output floor {floor_label(ro)}"
-                        add(label, ek, allocation=a, floor=r, out_floor=ro, ekfac=ek, budget=budget, index_dtype=dtype)
+                        add(label, ek, allocation=a, floor=r, out_floor=ro, alone=lds.groups(model) if groups else None,
+                            ekfac=ek, budget=budget, index_dtype=dtype)  # fmt: skip
+                        if groups:
+                            lone = ekfac(sketch, width, tracked=False)
+                            add(f"{label}, untracked", lone, allocation=a, floor=r, out_floor=ro, ekfac=lone,
+                                budget=budget, index_dtype=dtype, track_moe_experts=False)  # fmt: skip
         for width in output_widths if exact else ():
             label = "eigenbasis, budget 1 MiB (every direction here), bfloat16"
             label += "" if width is None else f", output sketch {width}"
@@ -328,6 +345,9 @@ def main() -> None:
         default=[-eigenbasis.OUTPUT_VOCAB_FRACTION],
         help="output-layer floors (0: as dense; -k: clamp(V/k, dense, 256); -8, the default, is the library's)",
     )
+    parser.add_argument(
+        "--groups", action="store_true", help="also each module group alone and untracked, per scaled eigenbasis index"
+    )
     parser.add_argument("--no_exact", action="store_true", help="skip exact rows (the summary takes them from "
                         "another tag's file)")  # fmt: skip
     parser.add_argument("--summary", nargs="+", default=None, metavar="TAG", help="means over configs of these tags")
@@ -347,7 +367,7 @@ def main() -> None:
         widths = tuple(w or None for w in args.output_widths)
         result = run(name, Path(args.cache), args.sketch, tuple(args.fractions), args.core, tuple(args.scaled),
                      tuple(args.allocations), widths, tuple(args.dtypes), tuple(args.dense),
-                     tuple(args.output_floors), not args.no_exact)  # fmt: skip
+                     tuple(args.output_floors), not args.no_exact, args.groups)  # fmt: skip
         (OUT / f"lds-budget-{name}{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 

@@ -1,6 +1,7 @@
 """One Markdown table over every configuration's `benchmarks/results/lds-<config>.json` (what docs/quality.md shows).
 
     python benchmarks/lds_summary.py            # every result file present, tuning then held-out configurations
+    python benchmarks/lds_summary.py --eigenbasis   # the same with the eigenbasis index as the default
 
 Per configuration: the test-retest ceiling, the default pipeline, and the rows `lds.py --core` computes
 (untracked, exact rows, each module group alone through the default index, exact `lm_head` alone), each with
@@ -107,8 +108,79 @@ def table(names: list[str], results: Path) -> str:
     return "\n".join(lines)
 
 
+GROUPS_FILE = "issue32/lds-budget-{}-s17groups.json"  # lds_budget.py --groups: the eigenbasis default's rows
+SEEDED = "seeded p=32 (the default before)"
+EIGEN_COLUMNS = [
+    "untracked",
+    "exact rows",
+    "attention alone",
+    "experts alone",
+    "routers alone",
+    "`lm_head` alone",
+    SEEDED,
+    KRONFLUENCE,
+]
+
+
+def eigen_per_query(name: str, results: Path) -> dict[str, np.ndarray]:
+    """`{column: per-query LDS}` with the eigenbasis default (the index at what 1 MiB buys on Qwen3-30B-A3B,
+    floors) as "default": its module groups alone and untracked (`GROUPS_FILE`), the seeded p=32 pipeline, and
+    exact rows, the ceiling and Kronfluence from `per_query` where that file's default is the seeded one here."""
+    path = results / GROUPS_FILE.format(name)
+    if not path.exists():
+        return {}
+    got = {label: np.array(r["per_query"]) for label, r in json.loads(path.read_text())["variants"].items()}
+    eig = next(label for label in got if re.sub(r"budget \d+ B ", "", label) == EIGEN_VARIANT)
+    out = {"default": got[eig], SEEDED: got["default: projected p=32, float32"], "untracked": got[f"{eig}, untracked"]}
+    columns = ["attention alone", "experts alone", "routers alone", "`lm_head` alone"]
+    for group, column in zip(lds.GROUPS, columns, strict=True):
+        out[column] = got[f"{eig}, {group} alone"]
+    seeded = per_query(name, results)
+    if seeded and np.allclose(seeded["default"], out[SEEDED]):
+        out.update({k: seeded[k] for k in ("ceiling", "exact rows", KRONFLUENCE) if k in seeded})
+        out["kronfluence_fallback"] = seeded.get("kronfluence_fallback", False)
+    return out
+
+
+def eigen_table(names: list[str], results: Path) -> str:
+    lines = ["| configuration | ceiling | default (eigenbasis) | " + " | ".join(EIGEN_COLUMNS) + " |"]
+    lines.append("|---" * (3 + len(EIGEN_COLUMNS)) + "|")
+    for name in names:
+        values = eigen_per_query(name, results)
+        if not values:
+            continue
+        ceiling = f"{values['ceiling'].mean():.3f}" if "ceiling" in values else "-"
+        cells = [ceiling, f"**{values['default'].mean():.3f}**"]
+        for label in EIGEN_COLUMNS:
+            if label not in values:
+                cells.append("-")
+                continue
+            lo, hi = lds.bootstrap(values["default"] - values[label])
+            mark = "*" if label == KRONFLUENCE and values.get("kronfluence_fallback") else ""
+            cells.append(f"{values[label].mean():.3f}{mark} [{lo:+.3f}, {hi:+.3f}]")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def eigen_main(results: Path, sets: list[tuple[str, list[str]]]) -> None:
+    """`--eigenbasis`: every configuration with the eigenbasis index as the default."""
+    for title, names in sets:
+        print(f"\n{title}\n\n" + eigen_table(names, results))
+    for title, names in sets:
+        values = {n: {k: x for k, x in v.items() if k not in ("kronfluence_fallback", "ceiling")} for n in names
+                  if (v := eigen_per_query(n, results))}  # fmt: skip
+        if values:
+            print(f"\nMeans over the {title} configurations ({', '.join(values)}):")
+            mean_over(values, list(values), "default")
+
+
 def main() -> None:
     results = lds.ROOT / "benchmarks" / "results"
+    if "--eigenbasis" in sys.argv[1:]:
+        held = list(lds.HELDOUT) + list(lds.HELDOUT_HEAD)
+        sets = [("tuning", list(lds.TUNING)), ("held-out", held), ("HELDOUT_NEXT", list(lds.HELDOUT_NEXT))]
+        eigen_main(results, sets)
+        return
     tuning = list(lds.TUNING)
     held = list(lds.HELDOUT) + list(lds.HELDOUT_HEAD) + ["cpu-heldout", "cpu-heldout2"]
     later = list(lds.HELDOUT_NEXT)
