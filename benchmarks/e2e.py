@@ -379,9 +379,15 @@ def build_part(
     plain_pass()  # warm-up
     eigen = {}
     if eigen_budget:  # factors of the eigenbasis build, fitted once (not timed) on a quarter of the examples
-        factors = ma.fit_ekfac(model, exs[: max(1, examples // 4)], projection_dim=eigen_sketch,
-                               output_projection_dim=eigen_output_sketch, token_batch_size=token_batch,
-                               factor_device="cuda", progress=False)  # fmt: skip
+        factors = ma.fit_ekfac(
+            model,
+            exs[: max(1, examples // 4)],
+            projection_dim=eigen_sketch,
+            output_projection_dim=eigen_output_sketch,
+            token_batch_size=token_batch,
+            factor_device="cuda",
+            progress=False,
+        ).to("cpu")  # fmt: skip  (as build's own fit)
         eigen = {"ekfac": factors, "budget": eigen_budget, "index_dtype": eigen_dtype}
     separate_s, eigen_s = [], []
     build_s, plain_s, recompute_s, graph_s = [], [], [], []

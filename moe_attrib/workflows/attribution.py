@@ -147,8 +147,9 @@ def own_factors(net, examples, index, st: CollectSettings, fit: EkfacSettings, r
     say(f"fitting EK-FAC factors for the eigenbasis rows first (sides sketched to {collect.projection_dim}, the "
         f"output layer to {collect.output_projection_dim}; kept in {index}): two passes over the data, then "
         "the rows' pass")  # fmt: skip
-    return fit_ekfac(net, examples, fit.replace(factor_device=fit.factor_device or dist.device), collect=collect,
-                     pad_id=pad, dist=dist, progress=progress)  # fmt: skip
+    fitted = fit_ekfac(net, examples, fit.replace(factor_device=fit.factor_device or dist.device), collect=collect,
+                       pad_id=pad, dist=dist, progress=progress)  # fmt: skip
+    return fitted.to("cpu")  # the rows' pass needs only the kept eigenvectors on the device
 
 
 def fit_from_files(
