@@ -385,6 +385,13 @@ def test_default_build_fits_keeps_and_scores_with_its_factors(tmp_path, capsys):
     said = capsys.readouterr().out
     assert "not fitted again" in said and "fitting EK-FAC" not in said
     assert np.array_equal(np.asarray(load_index(tmp_path / "iz").gradients), np.asarray(a.gradients))
+    # an interrupted build of seeded projections is not resumed by a default build (refused before any fit)
+    shutil.copytree(ix, tmp_path / "iw.part")
+    for name in ("ekfac.json", "factors.safetensors"):
+        (tmp_path / "iw.part" / name).unlink()
+    assert main(["build", str(model), str(CORPUS), "--index", str(tmp_path / "iw"), "--resume", *common]) == 2
+    out, err = capsys.readouterr()
+    assert "did not fit its own factors" in err and "fitting EK-FAC" not in out
 
 
 def test_token_rows_sum_to_example_rows(tmp_path):

@@ -140,6 +140,11 @@ def own_factors(net, examples, index, st: CollectSettings, fit: EkfacSettings, r
     from moe_attrib.indexing.index import part_dir
 
     kept = part_dir(index)
+    if resume and (kept / "manifest.json").exists() and not (kept / "ekfac.json").exists():
+        raise UsageError(
+            f"{kept} holds an interrupted build that did not fit its own factors (seeded projections, or --ekfac "
+            "DIR); resume it with the flags it was started with."
+        )
     if resume and (kept / "ekfac.json").exists():
         say(f"resuming: the EK-FAC factors the interrupted build fitted ({kept}), not fitted again")
         return load_ekfac(kept)
