@@ -69,10 +69,9 @@ def per_query(name: str, results: Path, v: dict | None = None) -> dict[str, np.n
     if (results / PEERS).exists():
         peers = np.load(results / PEERS)
         if f"{name}|moe-attrib default" in peers and np.allclose(peers[f"{name}|moe-attrib default"], base):
-            for i, label in enumerate(KRONFLUENCE_LABELS):
+            for label in KRONFLUENCE_LABELS:
                 if f"{name}|{label}" in peers:
                     out[KRONFLUENCE] = peers[f"{name}|{label}"]
-                    out["kronfluence_fallback"] = i == 1
     for eigen in (results / f.format(name) for f in EIGEN_FILES):
         if not eigen.exists():
             continue
@@ -82,6 +81,28 @@ def per_query(name: str, results: Path, v: dict | None = None) -> dict[str, np.n
             if mine and np.allclose(mine["per_query"], base) and re.sub(r"budget \d+ B ", "", label) == EIGEN_VARIANT:
                 out[EIGEN] = np.array(r["per_query"])
     return out
+
+
+def kronfluence_fallback(name: str, results: Path) -> bool:
+    """Whether configuration `name`'s Kronfluence column is the attention + lm_head fallback (its defaults fail)."""
+    return (results / PEERS).exists() and f"{name}|{KRONFLUENCE_LABELS[1]}" in np.load(results / PEERS)
+
+
+def cell(values: dict[str, np.ndarray], label: str, marked: bool) -> str:
+    """Column `label`'s LDS and the paired 95% CI of default - it; `marked`: a `*` after a fallback Kronfluence."""
+    lo, hi = lds.bootstrap(values["default"] - values[label])
+    mark = "*" if label == KRONFLUENCE and marked else ""
+    return f"{values[label].mean():.3f}{mark} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def print_means(sets: list[tuple[str, list[str]]], per_config, title: str) -> None:
+    """For each `(name, configurations)` of `sets`, every column's mean with its paired CI (`mean_over`) over the
+    configurations `per_config` has per-query LDS for; the ceiling too where every one of them has it."""
+    for name, configs in sets:
+        values = {c: v for c in configs if (v := per_config(c))}
+        if values:
+            print(f"\nMeans over the {name} configurations{title} ({', '.join(values)}):")
+            mean_over(values, list(values), "default")
 
 
 def table(names: list[str], results: Path) -> str:
@@ -96,9 +117,7 @@ def table(names: list[str], results: Path) -> str:
         for label in COLUMNS:
             key = dict(ROWS).get(label)
             if label in values:
-                lo, hi = lds.bootstrap(values["default"] - values[label])
-                mark = "*" if label == KRONFLUENCE and values.get("kronfluence_fallback") else ""
-                cells.append(f"{values[label].mean():.3f}{mark} [{lo:+.3f}, {hi:+.3f}]")
+                cells.append(cell(values, label, kronfluence_fallback(name, results)))
             elif key in v:  # a result file from before per-query LDS were kept: its own CI
                 lo, hi = v[key]["default_minus_this_ci95"]
                 cells.append(f"{v[key]['lds']:.3f} [{lo:+.3f}, {hi:+.3f}]")
@@ -138,7 +157,6 @@ def eigen_per_query(name: str, results: Path) -> dict[str, np.ndarray]:
     seeded = per_query(name, results)
     if seeded and np.allclose(seeded["default"], out[SEEDED]):
         out.update({k: seeded[k] for k in ("ceiling", "exact rows", KRONFLUENCE) if k in seeded})
-        out["kronfluence_fallback"] = seeded.get("kronfluence_fallback", False)
     return out
 
 
@@ -151,13 +169,8 @@ def eigen_table(names: list[str], results: Path) -> str:
             continue
         ceiling = f"{values['ceiling'].mean():.3f}" if "ceiling" in values else "-"
         cells = [ceiling, f"**{values['default'].mean():.3f}**"]
-        for label in EIGEN_COLUMNS:
-            if label not in values:
-                cells.append("-")
-                continue
-            lo, hi = lds.bootstrap(values["default"] - values[label])
-            mark = "*" if label == KRONFLUENCE and values.get("kronfluence_fallback") else ""
-            cells.append(f"{values[label].mean():.3f}{mark} [{lo:+.3f}, {hi:+.3f}]")
+        marked = kronfluence_fallback(name, results)
+        cells += [cell(values, label, marked) if label in values else "-" for label in EIGEN_COLUMNS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -166,12 +179,11 @@ def eigen_main(results: Path, sets: list[tuple[str, list[str]]]) -> None:
     """`--eigenbasis`: every configuration with the eigenbasis index as the default."""
     for title, names in sets:
         print(f"\n{title}\n\n" + eigen_table(names, results))
-    for title, names in sets:
-        values = {n: {k: x for k, x in v.items() if k not in ("kronfluence_fallback", "ceiling")} for n in names
-                  if (v := eigen_per_query(n, results))}  # fmt: skip
-        if values:
-            print(f"\nMeans over the {title} configurations ({', '.join(values)}):")
-            mean_over(values, list(values), "default")
+
+    def no_ceiling(name: str) -> dict[str, np.ndarray]:
+        return {k: x for k, x in eigen_per_query(name, results).items() if k != "ceiling"}
+
+    print_means(sets, no_ceiling, "")
 
 
 def main() -> None:
@@ -189,12 +201,8 @@ def main() -> None:
     print("\nHeld out for the eigenbasis default (lds.HELDOUT_NEXT)\n\n" + table(later, results))
     print("\n* Kronfluence's defaults fail on this family (an nn.Linear inside the MoE block sees tokens as its "
           "batch); attention + lm_head only, what it tracks on every other family")  # fmt: skip
-    for title, names in (("tuning", tuning), ("held-out", held), ("HELDOUT_NEXT", later)):
-        values = {name: {k: x for k, x in v.items() if k != "kronfluence_fallback"} for name in names
-                  if (v := per_query(name, results))}  # fmt: skip
-        if values:
-            print(f"\nMeans over the {title} configurations with per-query LDS ({', '.join(values)}):")
-            mean_over(values, list(values), "default")
+    sets = [("tuning", tuning), ("held-out", held), ("HELDOUT_NEXT", later)]
+    print_means(sets, lambda n: per_query(n, results), " with per-query LDS")
 
 
 if __name__ == "__main__":

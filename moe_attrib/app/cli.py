@@ -92,14 +92,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"{EIGENBASIS_OUTPUT_SKETCH} first): {stored} columns per example"
         )
         print(f"index bytes per example: {stored * DTYPE_BYTES[EIGENBASIS_INDEX_DTYPE]}")
-        each = fl.per_expert(DEFAULT_BUDGET, EIGENBASIS_INDEX_DTYPE)
-        rest = (
-            f"; {fl.expert_blocks} expert blocks share the rest, {each:.1f} columns each"
-            if fl.expert_blocks
-            else "; the greedy spends the rest"
-        )
         if stored == fl.directions:
             rest = f"; the budget holds every direction pair ({fl.directions} columns)"
+        elif fl.expert_blocks:
+            each = fl.per_expert(DEFAULT_BUDGET, EIGENBASIS_INDEX_DTYPE)
+            rest = f"; {fl.expert_blocks} expert blocks share the rest, {each:.1f} columns each"
+        else:
+            rest = "; the greedy spends the rest"
         print(
             f"eigenbasis floors: {fl.columns} columns ({fl.dense_blocks} dense blocks at {fl.dense} directions a "
             f"side, the output layer at {fl.output}){rest}"

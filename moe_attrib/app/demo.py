@@ -119,9 +119,10 @@ def run_demo(
 ) -> dict:
     """Run the whole demo with the default pipeline; returns (and writes to `out/results.json`) the recall table.
 
-    The default pipeline is `build`'s: EK-FAC factors fitted first (sides sketched to `EIGENBASIS_SKETCH`, the
-    output layer to `EIGENBASIS_OUTPUT_SKETCH`), rows stored in their eigenbasis under the default budget in
-    bfloat16, the factors kept in the index; `projection_dim` builds seeded projections of that p instead.
+    The default pipeline is `build`'s: EK-FAC factors fitted first (`eigenbasis_collection`: sides sketched to
+    `EIGENBASIS_SKETCH`, the output layer to `EIGENBASIS_OUTPUT_SKETCH`), rows stored in their eigenbasis under
+    the default budget in bfloat16, the factors kept in the index; `projection_dim` builds seeded projections of
+    that p instead.
     A non-empty `out` is refused (`DemoError`) unless `overwrite`, which replaces only the
     files the demo writes (`OUTPUTS`)."""
     from moe_attrib.curvature.ekfac import fit_ekfac
@@ -129,7 +130,8 @@ def run_demo(
     from moe_attrib.indexing.index import load_index, part_dir, remove_index
     from moe_attrib.model.zoo import tiny_model, train_tokenizer
     from moe_attrib.scoring.score import DEFAULT_UNIT_NORMALIZE, group_parts, query_gradients, score
-    from moe_attrib.settings import EIGENBASIS_INDEX_DTYPE, EIGENBASIS_OUTPUT_SKETCH, EIGENBASIS_SKETCH
+    from moe_attrib.settings import EIGENBASIS_INDEX_DTYPE, CollectSettings
+    from moe_attrib.workflows.attribution import eigenbasis_collection
     from moe_attrib.workflows.build import build_index
 
     start = time.perf_counter()
@@ -170,8 +172,8 @@ def run_demo(
         remove_index(part_dir(path))  # a demo's own interrupted build (check_out refused anything else)
         common = {"track_moe_experts": tracked, "seed": seed, "token_batch_size": 1024, "progress": progress}
         if eigen:  # build's default: the factors first, the rows in their eigenbasis, the factors kept with them
-            ek = fit_ekfac(model, examples, projection_dim=EIGENBASIS_SKETCH,
-                           output_projection_dim=EIGENBASIS_OUTPUT_SKETCH, **common)  # fmt: skip
+            how = eigenbasis_collection(CollectSettings(track_moe_experts=tracked, seed=seed, token_batch_size=1024))
+            ek = fit_ekfac(model, examples, collect=how, progress=progress)
             build_index(model, examples, path, model_name=str(out / "model"), ekfac=ek, keep_factors=True,
                         index_dtype=EIGENBASIS_INDEX_DTYPE, overwrite=True,
                         extra_settings={"data": str(out / "train.jsonl")}, **common)  # fmt: skip

@@ -114,9 +114,7 @@ def build_from_files(
     record = data_record(data, reading, tokenizer)
     if fit is not None:
         factors = own_factors(net, examples, index, st, fit, resume, pad, dist, progress, say)
-        factors.settings.update(record)
-        factors.settings.update(model=model_name(model), data_fingerprint=fingerprint(examples),
-                                dtype=str(next(net.parameters()).dtype))  # fmt: skip
+        factors.settings.update(factors_record(model, net, examples, record))
     return build_index(net, examples, index, st, model_name=model_name(model), ekfac=factors,
                        keep_factors=fit is not None, resume=resume, overwrite=overwrite, pad_id=pad,
                        extra_settings=record, dist=dist, progress=progress)  # fmt: skip
@@ -200,12 +198,17 @@ def fit_from_files(
     result = fit_ekfac(net, examples, ek.replace(factor_device=ek.factor_device or dist.device), collect=st,
                        pad_id=pad, dist=dist, progress=progress)  # fmt: skip
     if dist.is_main:
-        result.settings.update(data_record(data, reading, tokenizer))
-        result.settings.update(model=model_name(model), data_fingerprint=fingerprint(examples),
-                               dtype=str(next(net.parameters()).dtype))  # fmt: skip
+        result.settings.update(factors_record(model, net, examples, data_record(data, reading, tokenizer)))
         result.save(out)
     dist.barrier()  # every rank leaves together, after rank 0 has written
     return result
+
+
+def factors_record(model: str, net, examples: list[Example], record: dict) -> dict:
+    """What factors fitted from files record besides their fit, for `score` to check them against an index: how
+    the data were read (`record`, `data_record`'s), the model's name, the data's fingerprint and the model's dtype."""
+    return {**record, "model": model_name(model), "data_fingerprint": fingerprint(examples),
+            "dtype": str(next(net.parameters()).dtype)}  # fmt: skip
 
 
 def checked_collection(model: str, device: str | None, st: CollectSettings) -> CollectSettings:
@@ -233,8 +236,8 @@ def eigenbasis_factors(ekfac: str | Path | None, st: CollectSettings, fitting: b
         if st.budget is not None:
             raise UsageError(
                 "--budget allocates the eigen-directions of EK-FAC factors, which --projection_dim / "
-                "--no_projection / --optimizer_state / --expert_blocks sum leave out; drop those flags (build then "
-                "fits the factors) or give fitted ones with --ekfac DIR."
+                "--no_projection / --output_projection_dim / --optimizer_state / --expert_blocks sum leave out; drop "
+                "those flags (build then fits the factors) or give fitted ones with --ekfac DIR."
             )
         return None, st
     budget = parse_bytes(st.budget or DEFAULT_BUDGET)
