@@ -156,6 +156,30 @@ CONFIGS = {
         models=64,
         seed=9,
     ),
+    # held out again (session 18, HELDOUT_S18 in benchmarks/heldout.json): frozen before the output layer's floor
+    # shape and sketch width were measured; families new to the benchmark (deepseek_v3: sigmoid routing with a shared
+    # expert; ernie4_5_moe), another vocabulary and seeds
+    "heldout-ds": Config(
+        family="deepseek_v3",
+        layers=2,
+        experts=16,
+        corpus="python_docs",
+        vocab=5120,
+        chunks_per_domain=100,
+        models=48,
+        seed=10,
+    ),
+    "heldout-ernie": Config(
+        family="ernie4_5_moe",
+        layers=3,
+        experts=8,
+        people=48,
+        arithmetic=80,
+        sequences=96,
+        plain_text=True,
+        models=48,
+        seed=11,
+    ),
     "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
     "gpu": Config(
         hidden=256,
@@ -180,6 +204,8 @@ HELDOUT = ("heldout-plain", "heldout-pydoc")
 HELDOUT_HEAD = ("heldout-qa", "heldout-docs")
 # frozen in session 16 before anything was measured on them: for the next choices (benchmarks/heldout.json)
 HELDOUT_NEXT = ("heldout-shared", "heldout-text")
+# frozen in session 18 before anything was trained or measured on them: for the output layer's floor and width
+HELDOUT_S18 = ("heldout-ds", "heldout-ernie")
 # the configurations every default is chosen over (the mean with a paired CI), and the held-out ones
 TUNING = ("cpu", "cpu-gpt_oss", "cpu-shared", "cpu-deep", "text-plain", "text-pydoc", "text-deep")
 
