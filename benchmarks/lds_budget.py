@@ -72,6 +72,8 @@ def run(
     output_floors: tuple[int, ...] = (0,),
     exact: bool = True,
     groups: bool = False,
+    output_shapes: tuple[str, ...] = ("square",),
+    seeded: bool = True,
 ) -> dict:
     """Every variant of configuration `name` (`core`: only the default, exact rows and the eigenbasis
     budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations). The scaled eigenbasis
@@ -105,11 +107,18 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
 
         def add(
-            label: str, ek, allocation: float | None = None, floor: int = 0, out_floor: int = 0, alone=None, **build
+            label: str,
+            ek,
+            allocation: float | None = None,
+            floor: int = 0,
+            out_floor: int = 0,
+            shape: str | None = None,
+            alone=None,
+            **build,
         ) -> None:
             t0 = time.perf_counter()
             path = Path(tmp) / f"index-{len(results)}"
-            with allocation_rule(floor, out_floor, allocation):
+            with allocation_rule(floor, out_floor, allocation, shape):
                 ma.build_index(model, examples, path, progress=False, **build)
             index = ma.load_index(path)
             q = ma.query_gradients(model, queries, index)
@@ -122,7 +131,8 @@ def run(
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
 
         p0 = DEFAULT_PROJECTION_DIM
-        add(DEFAULT, ekfac(p0), projection_dim=p0)
+        if seeded or not core:
+            add(DEFAULT, ekfac(p0), projection_dim=p0)
         if exact:
             add(EXACT, ekfac(None), projection_dim=None)
         for p in () if core else PS:
@@ -133,7 +143,7 @@ def run(
             add("projected p=64, bfloat16", ekfac(64), projection_dim=64, index_dtype="bfloat16")
             # summed experts cannot be preconditioned per expert: scored without EK-FAC
             add(f"projected p={p0}, expert_blocks=sum, no EK-FAC", None, projection_dim=p0, expert_blocks="sum")
-        default_bytes = results[DEFAULT]["bytes"]
+        default_bytes = results[DEFAULT]["bytes"] if DEFAULT in results else 0
         for frac in () if core else fractions:
             budget = int(default_bytes * frac)
             for dtype in ("float32", "bfloat16"):
@@ -144,8 +154,10 @@ def run(
         for qwen3_bytes, dtype in ((parse_bytes(b), dt) for b in scaled for dt in dtypes):
             for width in output_widths:
                 ek = ekfac(sketch, width)
-                for r, ro in [(0, 0)] * (0 in dense) + [(r, ro) for r in dense if r for ro in output_floors]:
-                    budget = scaled_budget(qwen3_bytes, dtype, r, ro, report, blocks, sketch, width)
+                floors = [(0, 0, None)] * (0 in dense)
+                floors += [(r, ro, sh) for r in dense if r for ro in output_floors for sh in output_shapes]
+                for r, ro, shape in floors:
+                    budget = scaled_budget(qwen3_bytes, dtype, r, ro, report, blocks, sketch, width, shape)
                     for a in allocations:
                         label = f"eigenbasis, budget {budget} B (as {qwen3_bytes // 2**10} KiB on Qwen3-30B-A3B)"
                         label += f", {dtype}"
@@ -153,12 +165,14 @@ def run(
                         label += "" if width is None else f", output sketch {width}"
                         label += "" if r == 0 else f", dense floor {r}"
                         label += "" if ro == 0 else f", output floor {floor_label(ro)}"
-                        add(label, ek, allocation=a, floor=r, out_floor=ro, alone=lds.groups(model) if groups else None,
-                            ekfac=ek, budget=budget, index_dtype=dtype)  # fmt: skip
+                        label += "" if shape in (None, "square") else f", {shape}"
+                        add(label, ek, allocation=a, floor=r, out_floor=ro, shape=shape,
+                            alone=lds.groups(model) if groups else None, ekfac=ek, budget=budget,
+                            index_dtype=dtype)  # fmt: skip
                         if groups:
                             lone = ekfac(sketch, width, tracked=False)
-                            add(f"{label}, untracked", lone, allocation=a, floor=r, out_floor=ro, ekfac=lone,
-                                budget=budget, index_dtype=dtype, track_moe_experts=False)  # fmt: skip
+                            add(f"{label}, untracked", lone, allocation=a, floor=r, out_floor=ro, shape=shape,
+                                ekfac=lone, budget=budget, index_dtype=dtype, track_moe_experts=False)  # fmt: skip
         for width in output_widths if exact else ():
             label = "eigenbasis, budget 1 MiB (every direction here), bfloat16"
             label += "" if width is None else f", output sketch {width}"
@@ -170,16 +184,20 @@ QWEN3_VOCAB = 151936
 
 
 @contextmanager
-def allocation_rule(floor: int, out_floor: int, allocation: float | None = None):
+def allocation_rule(floor: int, out_floor: int, allocation: float | None = None, shape: str | None = None):
     """The eigenbasis allocation with dense floor `floor`, output floor `out_floor` (`floor_rule`) and, if given,
-    allocation damping `allocation`, while the block runs (the library's module settings, restored after)."""
-    kept = eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor
+    allocation damping `allocation` and output floor shape `shape`, while the block runs (the library's module
+    settings, restored after)."""
+    kept = (eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor,
+            eigenbasis.OUTPUT_FLOOR_SHAPE)  # fmt: skip
     eigenbasis.ALLOCATION_DAMPING = kept[0] if allocation is None else allocation
     eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = floor, floor_rule(out_floor)
+    eigenbasis.OUTPUT_FLOOR_SHAPE = kept[3] if shape is None else shape
     try:
         yield
     finally:
-        eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = kept
+        (eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor,
+         eigenbasis.OUTPUT_FLOOR_SHAPE) = kept  # fmt: skip
 
 
 def floor_rule(out_floor: int):
@@ -195,7 +213,15 @@ def floor_label(out_floor: int) -> str:
 
 
 def scaled_budget(
-    qwen3_bytes: int, dtype: str, floor: int, out_floor: int, report, blocks: int, sketch: int, width: int | None
+    qwen3_bytes: int,
+    dtype: str,
+    floor: int,
+    out_floor: int,
+    report,
+    blocks: int,
+    sketch: int,
+    width: int | None,
+    shape: str | None = None,
 ) -> int:
     """Bytes per example on the model of `report` (`blocks` weight blocks; factors sketched at `sketch`, the
     output layer at `width`) that buy what `qwen3_bytes` buy on Qwen3-30B-A3B: the same columns per weight block
@@ -205,7 +231,7 @@ def scaled_budget(
     if floor == 0:
         return qwen3_bytes * blocks // QWEN3_BLOCKS
     size = eigenbasis.DTYPE_BYTES[dtype]
-    with allocation_rule(floor, out_floor):
+    with allocation_rule(floor, out_floor, shape=shape):
         big = eigenbasis.output_floor(QWEN3_VOCAB, floor)
         mine = eigenbasis.plan_floors(report, sketch, width)
     taken = (QWEN3_BLOCKS - QWEN3_EXPERT_BLOCKS - 1) * floor**2 + big**2
@@ -219,7 +245,7 @@ def weight_blocks(report) -> int:
 
 
 def summarise(name: str, cached, results: dict) -> dict:
-    base = results[DEFAULT]["values"]
+    base = results[DEFAULT if DEFAULT in results else next(iter(results))]["values"]  # --no_seeded: the first
     exact = results[EXACT]["values"] if EXACT in results else None  # --no_exact: no differences to exact rows
     out = {"config": name, "title": cached.title, "variants": {}}
     print(f"== {cached.title}")
@@ -348,6 +374,10 @@ def main() -> None:
     parser.add_argument(
         "--groups", action="store_true", help="also each module group alone and untracked, per scaled eigenbasis index"
     )
+    parser.add_argument("--output_shapes", nargs="+", default=[eigenbasis.OUTPUT_FLOOR_SHAPE],
+                        choices=eigenbasis.OUTPUT_FLOOR_SHAPES, help="the output floor's shapes (square r x r, or "
+                        "r * r cells shaped by the allocation's greedy)")  # fmt: skip
+    parser.add_argument("--no_seeded", action="store_true", help="with --core: skip the seeded p=32 index")
     parser.add_argument("--no_exact", action="store_true", help="skip exact rows (the summary takes them from "
                         "another tag's file)")  # fmt: skip
     parser.add_argument("--summary", nargs="+", default=None, metavar="TAG", help="means over configs of these tags")
@@ -367,7 +397,8 @@ def main() -> None:
         widths = tuple(w or None for w in args.output_widths)
         result = run(name, Path(args.cache), args.sketch, tuple(args.fractions), args.core, tuple(args.scaled),
                      tuple(args.allocations), widths, tuple(args.dtypes), tuple(args.dense),
-                     tuple(args.output_floors), not args.no_exact, args.groups)  # fmt: skip
+                     tuple(args.output_floors), not args.no_exact, args.groups, tuple(args.output_shapes),
+                     not args.no_seeded)  # fmt: skip
         (OUT / f"lds-budget-{name}{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 

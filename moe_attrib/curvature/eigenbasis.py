@@ -55,6 +55,10 @@ ALLOCATION_DAMPING = 1.0  # x the model-wide mean Lambda: how the budget is spen
 DENSE_DIRECTIONS = 32  # each dense (not expert) block starts with this many directions a side (`fit_floors`)
 OUTPUT_DIRECTIONS_MAX = 256  # the output layer's floor: its vocabulary / OUTPUT_VOCAB_FRACTION, within
 OUTPUT_VOCAB_FRACTION = 8  # [DENSE_DIRECTIONS, OUTPUT_DIRECTIONS_MAX] (`output_floor`)
+OUTPUT_FLOOR_SHAPES = ("square", "area")
+OUTPUT_FLOOR_SHAPE = "square"  # the output floor's r x r rectangle, or r * r cells shaped by `allocate` (`fit_floors`)
+COLLECT_MULTIPLE = 8  # collected sides padded with zero directions to a multiple of this: grouped_mm needs
+# 16-byte strides (8 bfloat16 values), else the collector falls back to one matmul per expert (4.6x slower build)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -193,6 +197,12 @@ def allocate(
     return [(kr, kc) for kr, kc in shapes]
 
 
+def padded(basis: torch.Tensor) -> torch.Tensor:
+    """`basis` `[(E,) features, K]` with zero columns appended up to a multiple of `COLLECT_MULTIPLE`."""
+    extra = -basis.shape[-1] % COLLECT_MULTIPLE
+    return torch.nn.functional.pad(basis, (0, extra)) if extra else basis
+
+
 @dataclass
 class EigenTarget:
     """One factor's part of an eigenbasis index: kept eigenvectors of each side and each block's rectangle.
@@ -215,8 +225,9 @@ class EigenTarget:
 
     @property
     def widths(self) -> tuple[int, int]:
-        """Collected rectangle `(K_rows, K_cols)`: the widest of the blocks' rectangles."""
-        k_in, k_out = self.basis_in.shape[-1], self.basis_out.shape[-1]
+        """Collected rectangle `(K_rows, K_cols)`: the widest of the blocks' rectangles, each side padded with
+        zero directions to a multiple of `COLLECT_MULTIPLE` (`padded`; the padding is never stored)."""
+        k_in, k_out = padded(self.basis_in).shape[-1], padded(self.basis_out).shape[-1]
         return (k_in, k_out) if self.transposed else (k_out, k_in)
 
     def take(self, device: torch.device) -> torch.Tensor:
@@ -276,7 +287,7 @@ class EigenPlan:
             t = self._by_block.get(name)
             if t is None:
                 raise EigenbasisError(f"internal: no eigenbasis for target {name}")
-            q = (t.basis_in if side == "in" else t.basis_out).to(like.device, torch.float32)
+            q = padded(t.basis_in if side == "in" else t.basis_out).to(like.device, torch.float32)
             if side == "in" and t.bias:
                 q = q[..., :-1, :]
             if self.sketch_dim:
@@ -315,7 +326,7 @@ class EigenPlan:
             if t.bias:
                 okey = (t.block, device)
                 if okey not in self._ones:
-                    self._ones[okey] = t.basis_in[..., -1, :].to(device, torch.float32)
+                    self._ones[okey] = padded(t.basis_in)[..., -1, :].to(device, torch.float32)
                 ones, bias = self._ones[okey], grads[f"{t.block}.bias"].float()
                 value = value + (
                     ones.unsqueeze(-1) * bias.unsqueeze(-2) if t.transposed else bias.unsqueeze(-1) * ones.unsqueeze(-2)
@@ -441,6 +452,9 @@ def plan_floors(report: CoverageReport, sketch: int | None = 128, output_sketch:
             expert_blocks += experts
             continue
         dense_blocks += 1
+        if name == report.output_layer and OUTPUT_FLOOR_SHAPE == "area":
+            cells += min(out * out, a * g)  # at most: the greedy may stop a row or column short
+            continue
         r = out if name == report.output_layer else DENSE_DIRECTIONS
         cells += min(r, a) * min(r, g)
     return FloorPlan(dense_blocks, expert_blocks, DENSE_DIRECTIONS, out, cells, directions)
@@ -478,8 +492,14 @@ def fit_floors(
     wanted = dense, output
 
     def rects(d: int, o: int) -> list[tuple[int, int]]:
-        sides = [0 if expert else o if head else d for expert, head in kinds]
-        return [(min(r, w.shape[0]), min(r, w.shape[1])) for r, w in zip(sides, weights, strict=True)]
+        out = []
+        for (expert, head), w in zip(kinds, weights, strict=True):
+            r = 0 if expert else o if head else d
+            if head and r and OUTPUT_FLOOR_SHAPE == "area":
+                out.append(allocate([w], r * r)[0])
+            else:
+                out.append((min(r, w.shape[0]), min(r, w.shape[1])))
+        return out
 
     floors = rects(dense, output)
     head = next((b for b, (_, is_head) in enumerate(kinds) if is_head), None)
