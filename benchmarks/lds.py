@@ -263,8 +263,12 @@ def make_model(cfg: Config, vocab: int, device: str):
         moe_intermediate_size=cfg.moe_intermediate,
         **sizes,
         num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.heads // 2,
-        head_dim=cfg.hidden // cfg.heads,
+        # multi-head latent attention (deepseek_v3): the zoo's head dimensions and key/value heads
+        **(
+            {}
+            if cfg.family == "deepseek_v3"
+            else {"num_key_value_heads": cfg.heads // 2, "head_dim": cfg.hidden // cfg.heads}
+        ),
     ).to(device)
 
 
@@ -387,9 +391,11 @@ OUT = DEFAULT_OUTPUT_PROJECTION_DIM  # the output layer's own p in `Attribution`
 class Attribution:
     """Indexes, factors and query rows of the full model, built once per setting through the public API."""
 
-    def __init__(self, model, examples, queries, root: Path, device: str, optimizer_state: Path):
+    def __init__(
+        self, model, examples, queries, root: Path, device: str, optimizer_state: Path, score_device: str | None = None
+    ):
         self.model, self.examples, self.queries, self.root = model, examples, queries, root
-        self.device, self.optimizer_state = device, optimizer_state
+        self.device, self.optimizer_state = score_device or device, optimizer_state
         self.cache: dict = {}
 
     def get(self, p: int | None, tracked: bool = True, opt: bool = False, kind: str = PROJECTION, out=OUT):
@@ -659,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", default=None, help="print a result file as a Markdown table and exit")
     parser.add_argument("--train_only", action="store_true", help="train and cache the models, then exit")
     parser.add_argument("--core", action="store_true", help="only the rows reported for every configuration")
+    parser.add_argument("--score_device", default=None, help="where scores are computed (default: --device; cpu for "
+                        "exact rows too wide for the GPU's coupling sample)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())))
@@ -701,7 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     ps = [int(p) for p in args.projections.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        att = Attribution(model, examples, queries, Path(tmp), args.device, model_dir / "optimizer.pt")
+        att = Attribution(
+            model, examples, queries, Path(tmp), args.device, model_dir / "optimizer.pt", args.score_device
+        )
         scores = core_variants(att) if args.core else variants(att, ps)
     rng = np.random.default_rng(0)
     scores["random scores"] = rng.standard_normal(next(iter(scores.values())).shape)
