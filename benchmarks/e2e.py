@@ -46,6 +46,7 @@ import moe_attrib as ma  # noqa: E402
 from moe_attrib.collect.collector import GradientCollector, example_losses  # noqa: E402
 from moe_attrib.collect.graphs import GraphedCollector  # noqa: E402
 from moe_attrib.data import Example  # noqa: E402
+from moe_attrib.settings import EIGENBASIS_OUTPUT_SKETCH  # noqa: E402
 
 GiB = 1 << 30
 
@@ -354,7 +355,7 @@ def build_part(
     token_batch: int = 8192,
     eigen_budget: str | None = None,
     eigen_sketch: int = 128,
-    eigen_output_sketch: int | None = 512,
+    eigen_output_sketch: int | None = EIGENBASIS_OUTPUT_SKETCH,
     eigen_dtype: str = "bfloat16",
 ) -> dict:
     """`build_index` vs plain steps over the same `token_batch`-token batches, interleaved; projection drawing
@@ -640,7 +641,8 @@ def main() -> None:
     parser.add_argument("--build_graphs", action="store_true", help="build: also time builds with cuda_graphs")
     parser.add_argument("--build_eigen", default=None, metavar="BUDGET", help="build: also time default vs eigenbasis")
     parser.add_argument("--eigen_sketch", type=int, default=128, help="build: the eigenbasis factors' projection_dim")
-    parser.add_argument("--eigen_output_sketch", type=int, default=512, help="build: the factors' output-layer sketch")
+    parser.add_argument("--eigen_output_sketch", type=int, default=EIGENBASIS_OUTPUT_SKETCH,
+                        help="build: the factors' output-layer sketch")  # fmt: skip
     parser.add_argument("--eigen_dtype", default="bfloat16", help="build: the eigenbasis index's dtype")
     parser.add_argument("--collect_cast", action="store_true", help="collect: also time the cast-matmul variant")
     parser.add_argument("--collect_graph", action="store_true", help="collect: also time GraphedCollector")

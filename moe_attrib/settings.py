@@ -32,10 +32,10 @@ LEGACY_PROJECTION = "gaussian-cpu-v0"  # what settings without a "projection" ke
 DEFAULT_INDEX_DTYPE = "float32"
 DEFAULT_TOKEN_BATCH_SIZE = 8192
 DEFAULT_BUDGET = 2**20  # bytes per example of an eigenbasis index: 1 MiB (docs/build.md: the LDS frontier)
-# the factors a default `build` fits for its eigenbasis rows: every side sketched to 128, the output layer to 512,
-# rows stored in bfloat16 (the settings the LDS frontier measured: docs/build.md)
+# the factors a default `build` fits for its eigenbasis rows: every side sketched to 128, the output layer to 1024,
+# rows stored in bfloat16 (the settings the LDS frontier measured: docs/build.md, docs/quality.md)
 EIGENBASIS_SKETCH = 128
-EIGENBASIS_OUTPUT_SKETCH = 512
+EIGENBASIS_OUTPUT_SKETCH = 1024
 EIGENBASIS_INDEX_DTYPE = "bfloat16"
 AUTO_MIN_BATCHES = 32  # batches of one shape that earn it a CUDA graph under cuda_graphs=None (auto)
 PRECISIONS = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}  # a model dtype's --precision

@@ -10,7 +10,14 @@ import torch
 import moe_attrib as ma
 from moe_attrib.collect.projection import projection_matrix
 from moe_attrib.curvature import eigenbasis
-from moe_attrib.curvature.eigenbasis import allocate, direction_order, factors_fingerprint, parse_bytes, plan_eigenbasis
+from moe_attrib.curvature.eigenbasis import (
+    allocate,
+    direction_order,
+    factors_fingerprint,
+    fit_floors,
+    parse_bytes,
+    plan_eigenbasis,
+)
 from moe_attrib.curvature.ekfac import fit_ekfac
 from moe_attrib.curvature.precondition import EXPERT_BLOCK, ScoreError, precondition_queries
 from moe_attrib.data import collate
@@ -205,6 +212,20 @@ def test_allocation_ignores_the_factors_damping(monkeypatch):
     assert shapes[0] == allocate(weights, parse_bytes("2KiB") // 4)
 
 
+def test_output_floor_area_is_shaped_by_the_greedy(monkeypatch):
+    """The output floor's r * r cells (the default, `OUTPUT_FLOOR_SHAPE = "area"`) take the shape the greedy
+    gives them on the output layer's own direction weights; "square" keeps r x r. Worked out by hand:
+    weights [[1, .9, .8, .7], [.3, .2, .1, .1]], r = 2 (16 words / 8): open (0, 0); a column (.9) beats a row
+    (.3); a column (.8, 1 cell) beats a row (.25 a cell); only a column (.7) still fits: 1 x 4."""
+    monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 2)
+    w = torch.tensor([[1.0, 0.9, 0.8, 0.7], [0.3, 0.2, 0.1, 0.1]])
+    dense = torch.ones(3, 3)
+    assert eigenbasis.OUTPUT_FLOOR_SHAPE == "area"
+    assert fit_floors([(False, False), (False, True)], [dense, w], 100, vocab=16) == (2, 2, [(2, 2), (1, 4)])
+    monkeypatch.setattr(eigenbasis, "OUTPUT_FLOOR_SHAPE", "square")
+    assert fit_floors([(False, False), (False, True)], [dense, w], 100, vocab=16) == (2, 2, [(2, 2), (2, 2)])
+
+
 def test_plan_floors(monkeypatch):
     """Every dense block starts from its leading `r x r` directions and the output layer from
     clamp(vocabulary / 8, r, 256) (clipped to the factors' sides), the experts from none; the greedy spends
@@ -228,7 +249,7 @@ def test_plan_floors(monkeypatch):
     assert ("lm_head" in ek.factors) and rects[list(ek.factors).index("lm_head")] != (4, 4)
     floor_cells = sum(r * c for r, c in rects)
     budget = 4 * (floor_cells + 200)
-    with pytest.warns(UserWarning, match="output_projection_dim 32"):  # the sketch clips the output floor
+    with pytest.warns(UserWarning, match="output_projection_dim 1024"):  # the sketch clips the output floor
         plan = plan_eigenbasis(report, ek, budget)
     assert list(ek.factors) == [t.block for t in plan.targets]  # the factors' order is the plan's
     shapes = [s for t in plan.targets for s in t.shapes]
@@ -256,7 +277,7 @@ def test_plan_refuses_unfolded_bias_and_missing_factor():
 
 def test_inspect_plans_from_config_alone(tmp_path, capsys):
     """`inspect` on a directory with only config.json: the meta-device model's coverage, the default index's bytes
-    per example (equal to what a default build of the real model stores: factors at 128 / 512, 1 MiB of
+    per example (equal to what a default build of the real model stores: factors at 128 / 1024, 1 MiB of
     bfloat16, here every direction pair) and the seeded index's (equal to its column plan)."""
     from moe_attrib.app.cli import main
     from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM, column_plan
@@ -270,7 +291,7 @@ def test_inspect_plans_from_config_alone(tmp_path, capsys):
     line = [x for x in out if x.startswith("index bytes per example: ")]
     model = tiny_model("gpt_oss")
     exs = examples(4)
-    ek = fit_ekfac(model, exs, projection_dim=128, output_projection_dim=512, token_batch_size=48, progress=False)
+    ek = fit_ekfac(model, exs, projection_dim=128, output_projection_dim=1024, token_batch_size=48, progress=False)
     built = load_index(build_index(model, exs, tmp_path / "ix", ekfac=ek, index_dtype="bfloat16", progress=False))
     assert line == [f"index bytes per example: {built.gradients.shape[1] * 2}"]
     report = ma.discover(model, track_moe_experts=True)
@@ -281,7 +302,7 @@ def test_inspect_plans_from_config_alone(tmp_path, capsys):
 
 def test_inspect_plans_the_eigenbasis_floors_of_qwen3_30b_a3b(capsys):
     """On the Qwen3-30B-A3B shape (config only): 48 layers x (4 attention projections + the router) dense blocks
-    at 32 x 32 and the output layer at min(151936 / 8, 256) = 256 a side (hidden 2048, sketched to 512), worked
+    at 32 x 32 and the output layer's min(151936 / 8, 256)^2 = 65,536 cells (hidden 2048, sketched to 1024), worked
     out from the config by hand; the experts share what 1 MiB of bfloat16 leaves."""
     from pathlib import Path
 
@@ -295,7 +316,8 @@ def test_inspect_plans_the_eigenbasis_floors_of_qwen3_30b_a3b(capsys):
     floors = 48 * 5 * 32 * 32 + 256 * 256
     per_expert = (2**20 // 2 - floors) / (48 * 128 * 2)
     assert len(line) == 1
-    assert f"floors: {floors} columns (241 dense blocks at 32 directions a side, the output layer at 256)" in line[0]
+    head = "the output layer's 65536 cells (256 x 256, shaped by its eigenvalues)"
+    assert f"floors: {floors} columns (241 dense blocks at 32 directions a side, {head})" in line[0]
     assert line[0].endswith(f"12288 expert blocks share the rest, {per_expert:.1f} columns each")
 
 
@@ -336,7 +358,7 @@ def test_cli_flow_and_refused_factors(tmp_path, capsys):
 
 def test_default_build_fits_keeps_and_scores_with_its_factors(tmp_path, capsys):
     """`build` with no projection flag fits the factors itself (the sketch of `ekfac` without --index: 128 sides,
-    the output layer at 512), keeps them in the index and stores bfloat16 eigenbasis rows: the same rows as
+    the output layer at 1024), keeps them in the index and stores bfloat16 eigenbasis rows: the same rows as
     `ekfac` then `build --ekfac`; `score` without --ekfac preconditions with the kept factors (the same scores
     as `score --ekfac` with the separately fitted ones). A resumed build reads the kept factors back."""
     import shutil
@@ -359,7 +381,7 @@ def test_default_build_fits_keeps_and_scores_with_its_factors(tmp_path, capsys):
     assert a.manifest["settings"]["index_dtype"] == "bfloat16" and a.gradients.shape[1] * 2 <= 6 * 1024
     assert np.array_equal(np.asarray(a.gradients), np.asarray(b.gradients))
     kept, fitted = load_ekfac(ix), load_ekfac(tmp_path / "f")
-    assert (kept.projection_dim, kept.output_projection_dim) == (fitted.projection_dim, 512) == (128, 512)
+    assert (kept.projection_dim, kept.output_projection_dim) == (fitted.projection_dim, 1024) == (128, 1024)
     assert all(torch.equal(kept.factors[k].lam, fitted.factors[k].lam) for k in fitted.factors)
     out = {}
     for name, extra in (("kept", []), ("given", ["--ekfac", str(tmp_path / "f")])):

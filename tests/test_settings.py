@@ -45,7 +45,7 @@ CHANGED_DEFAULTS = {  # command: [(0.1.0's help text, today's)]
             "1MiB; best\n                        with --index_dtype bfloat16: docs/build.md)",
             "EK-FAC factors fitted already (moe-attrib ekfac --out DIR): rows in their eigenbasis, not\n"
             "                        fitted again (default: fitted by this build, at --projection_dim 128 "
-            "--output_projection_dim\n                        512; docs/build.md)\n"
+            "--output_projection_dim\n                        1024; docs/build.md)\n"
             "  --budget BUDGET       bytes per example of an eigenbasis index, e.g. 256KiB or 1MiB (default 1MiB: "
             "docs/build.md)",
         ),

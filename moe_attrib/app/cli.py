@@ -80,7 +80,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if report.routers:
         print("\nrouters: " + ", ".join(report.routers))
     if report.targets:
-        from moe_attrib.curvature.eigenbasis import DTYPE_BYTES, plan_floors
+        from moe_attrib.curvature.eigenbasis import DTYPE_BYTES, OUTPUT_FLOOR_SHAPE, plan_floors
         from moe_attrib.indexing.index import column_plan
         from moe_attrib.settings import DEFAULT_BUDGET
 
@@ -99,10 +99,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             rest = f"; {fl.expert_blocks} expert blocks share the rest, {each:.1f} columns each"
         else:
             rest = "; the greedy spends the rest"
-        print(
-            f"eigenbasis floors: {fl.columns} columns ({fl.dense_blocks} dense blocks at {fl.dense} directions a "
-            f"side, the output layer at {fl.output}){rest}"
+        head = (
+            f"the output layer's {fl.output * fl.output} cells ({fl.output} x {fl.output}, shaped by its eigenvalues)"
+            if OUTPUT_FLOOR_SHAPE == "area"
+            else f"the output layer at {fl.output}"
         )
+        print(f"eigenbasis floors: {fl.columns} columns ({fl.dense_blocks} dense blocks at {fl.dense} directions a "
+              f"side, {head}){rest}")  # fmt: skip
         st = CollectSettings()
         dims = st.target_dims(report.output_layer)
         columns = column_plan(report, st.projection_dim, "separate", st.projection, dims)[-1].stop
@@ -581,7 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="EK-FAC factors fitted already (moe-attrib ekfac --out DIR): rows in their eigenbasis, not fitted "
-        "again (default: fitted by this build, at --projection_dim 128 --output_projection_dim 512; docs/build.md)",
+        f"again (default: fitted by this build, at --projection_dim {EIGENBASIS_SKETCH} --output_projection_dim "
+        f"{EIGENBASIS_OUTPUT_SKETCH}; docs/build.md)",
     )
     add_flags(build, CollectSettings, ["budget"])
     build.add_argument("--resume", action="store_true", help="continue an interrupted build in DIR.part")

@@ -46,7 +46,7 @@ from moe_attrib.curvature.ekfac import EKFAC, Factor, factor_dims
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.indexing.index import INDEX_DTYPES, Block
 from moe_attrib.model.discovery import CoverageReport, iter_entries
-from moe_attrib.settings import DEFAULT_BUDGET, output_dims
+from moe_attrib.settings import DEFAULT_BUDGET, EIGENBASIS_OUTPUT_SKETCH, EIGENBASIS_SKETCH, output_dims
 
 EIGENBASIS = "ekfac-eigen-v1"  # recorded as settings["eigenbasis"]["kind"]
 BASIS_FILE = "eigenbasis.safetensors"
@@ -56,7 +56,7 @@ DENSE_DIRECTIONS = 32  # each dense (not expert) block starts with this many dir
 OUTPUT_DIRECTIONS_MAX = 256  # the output layer's floor: its vocabulary / OUTPUT_VOCAB_FRACTION, within
 OUTPUT_VOCAB_FRACTION = 8  # [DENSE_DIRECTIONS, OUTPUT_DIRECTIONS_MAX] (`output_floor`)
 OUTPUT_FLOOR_SHAPES = ("square", "area")
-OUTPUT_FLOOR_SHAPE = "square"  # the output floor's r x r rectangle, or r * r cells shaped by `allocate` (`fit_floors`)
+OUTPUT_FLOOR_SHAPE = "area"  # r * r cells shaped by `allocate` (`fit_floors`), or the r x r rectangle ("square")
 COLLECT_MULTIPLE = 8  # collected sides padded with zero directions to a multiple of this: grouped_mm needs
 # 16-byte strides (8 bfloat16 values), else the collector falls back to one matmul per expert (4.6x slower build)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -439,7 +439,9 @@ class FloorPlan:
         return min(budget_columns(parse_bytes(budget), index_dtype), self.directions)
 
 
-def plan_floors(report: CoverageReport, sketch: int | None = 128, output_sketch: int | None = 512) -> FloorPlan:
+def plan_floors(
+    report: CoverageReport, sketch: int | None = EIGENBASIS_SKETCH, output_sketch: int | None = EIGENBASIS_OUTPUT_SKETCH
+) -> FloorPlan:
     """The floors of an eigenbasis index of `report`'s targets for factors fitted with `--projection_dim sketch
     --output_projection_dim output_sketch` (None: unprojected): each dense factor's sides (`factor_dims`, a
     folded bias included) clipped to the dense floor or, for the output layer, `output_floor`."""
@@ -503,13 +505,17 @@ def fit_floors(
 
     floors = rects(dense, output)
     head = next((b for b, (_, is_head) in enumerate(kinds) if is_head), None)
-    if head is not None and max(weights[head].shape) < min(output, vocab):  # the vocabulary side sketched too narrow
-        warnings.warn(
-            f"moe-attrib: the factors keep {tuple(weights[head].shape)} directions of the output layer, fewer than its "
-            f"floor of {output} a side: fit them with --output_projection_dim {2 * output} (ekfac) for the floor the "
-            "LDS benchmark measured (docs/build.md).",
-            stacklevel=3,
-        )
+    if head is not None and max(weights[head].shape) < vocab:  # the vocabulary side sketched
+        kept = weights[head].shape
+        short = kept[0] * kept[1] < output * output if OUTPUT_FLOOR_SHAPE == "area" else max(kept) < min(output, vocab)
+        if short:
+            warnings.warn(
+                f"moe-attrib: the factors keep {tuple(kept)} directions of the output layer, fewer than its floor "
+                f"of {output * output} ({output} x {output}): fit them with --output_projection_dim "
+                f"{max(EIGENBASIS_OUTPUT_SKETCH, 2 * output)} (ekfac) for the floor the LDS benchmark measured "
+                "(docs/build.md).",
+                stacklevel=3,
+            )
     while sum(r * c for r, c in floors) > columns and (dense or output):
         dense, output = dense // 2, output // 2
         floors = rects(dense, output)
