@@ -295,6 +295,44 @@ TABLE = {  # the docs' columns: short label -> variant (budgets left out)
 }
 
 
+def output_floor_label(label: str) -> str | None:
+    """`"<shape>, sketch <W>"` of a scaled eigenbasis variant with dense floor 32 and the V/8 output floor."""
+    pattern = r", output sketch (\d+), dense floor 32, output floor V/8 in \[dense, 256\](, area)?"
+    m = re.fullmatch(re.escape(AS_1MIB) + pattern, re.sub(r"budget \d+ B ", "", label))
+    return m and f"{'area' if m[2] else 'square'}, sketch {m[1]}"
+
+
+def output_floor_tables(names: list[str], tag: str, sets: list[tuple[str, list[str]]]) -> None:
+    """The output floor's shapes and sketch widths (`--output_shapes square area --output_widths 512 1024 2048`
+    under `tag`): per configuration each candidate's bytes per example and LDS with the paired CI against the
+    square floor at sketch 512 (the default before), then the means over each set of `sets` (docs/build.md)."""
+    from lds_damping import mean_over
+
+    base = "square, sketch 512"
+    per_config, rows = {}, {}
+    for name in names:
+        path = OUT / f"lds-budget-{name}{tag}.json"
+        if path.exists():
+            got = {output_floor_label(k): r for k, r in json.loads(path.read_text())["variants"].items()}
+            rows[name] = {k: r for k, r in got.items() if k}
+            per_config[name] = {k: np.array(r["per_query"]) for k, r in rows[name].items()}
+    labels = sorted({k for r in rows.values() for k in r}, key=lambda k: (k.split(",")[0] != "square", len(k), k))
+    print("| configuration | " + " | ".join(labels) + " |\n" + "|---" * (1 + len(labels)) + "|")
+    for name, got in rows.items():
+        cells = []
+        for k in labels:
+            x, b = per_config[name][k], per_config[name][base]
+            lo, hi = lds.bootstrap(x - b)
+            ci = "" if k == base else f" [{lo:+.3f}, {hi:+.3f}]"
+            cells.append(f"{got[k]['bytes_per_example']:,} B: {x.mean():.3f}{ci}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    for title, group in sets:
+        have = [n for n in group if n in per_config]
+        if have:
+            print(f"\nMeans over {title} ({', '.join(have)}):")
+            mean_over(per_config, have, base)
+
+
 def merged(names: list[str], tags: list[str]) -> dict[str, dict[str, dict]]:
     """`{config: {variant without its budget: result}}` from the result files of `tags` (first tag first)."""
     out: dict[str, dict[str, dict]] = {}
@@ -381,7 +419,14 @@ def main() -> None:
     parser.add_argument("--no_exact", action="store_true", help="skip exact rows (the summary takes them from "
                         "another tag's file)")  # fmt: skip
     parser.add_argument("--summary", nargs="+", default=None, metavar="TAG", help="means over configs of these tags")
+    parser.add_argument("--output_floor_tables", default=None, metavar="TAG",
+                        help="the output floor's shapes and widths measured under TAG, as tables")  # fmt: skip
     args = parser.parse_args()
+    if args.output_floor_tables is not None:
+        seen = [*lds.TUNING, *lds.HELDOUT, *lds.HELDOUT_HEAD, *lds.HELDOUT_NEXT]
+        sets = [("the thirteen measured before", seen), ("HELDOUT_S18", list(lds.HELDOUT_S18))]
+        output_floor_tables(args.configs, "-" + args.output_floor_tables.lstrip("-"), sets)
+        return
     if args.summary is not None:
         tags = [t if t.startswith("-") or not t else f"-{t}" for t in args.summary]
         print(table(args.configs, tags) + "\n")

@@ -127,8 +127,14 @@ def table(names: list[str], results: Path) -> str:
     return "\n".join(lines)
 
 
-GROUPS_FILE = "issue32/lds-budget-{}-s17groups.json"  # lds_budget.py --groups: the eigenbasis default's rows
+GROUPS_FILE = "issue32/lds-budget-{}-s18groups.json"  # lds_budget.py --groups: the eigenbasis default's rows
+DEFAULT_VARIANT = (  # the eigenbasis default's label there (the output floor's cells shaped by the greedy, sketch 1024)
+    "eigenbasis, (as 1024 KiB on Qwen3-30B-A3B), bfloat16, output sketch 1024, dense floor 32, "
+    "output floor V/8 in [dense, 256], area"
+)
+BEFORE_FILE = "issue32/lds-budget-{}-s18out.json"  # lds_budget.py --output_shapes square area --output_widths ...
 SEEDED = "seeded p=32 (the default before)"
+BEFORE = "eigenbasis, square floor, sketch 512 (the default before)"
 EIGEN_COLUMNS = [
     "untracked",
     "exact rows",
@@ -136,6 +142,7 @@ EIGEN_COLUMNS = [
     "experts alone",
     "routers alone",
     "`lm_head` alone",
+    BEFORE,
     SEEDED,
     KRONFLUENCE,
 ]
@@ -149,8 +156,13 @@ def eigen_per_query(name: str, results: Path) -> dict[str, np.ndarray]:
     if not path.exists():
         return {}
     got = {label: np.array(r["per_query"]) for label, r in json.loads(path.read_text())["variants"].items()}
-    eig = next(label for label in got if re.sub(r"budget \d+ B ", "", label) == EIGEN_VARIANT)
+    eig = next(label for label in got if re.sub(r"budget \d+ B ", "", label) == DEFAULT_VARIANT)
     out = {"default": got[eig], SEEDED: got["default: projected p=32, float32"], "untracked": got[f"{eig}, untracked"]}
+    before = results / BEFORE_FILE.format(name)
+    if before.exists():
+        earlier = json.loads(before.read_text())["variants"]
+        out[BEFORE] = next(np.array(r["per_query"]) for label, r in earlier.items()
+                           if re.sub(r"budget \d+ B ", "", label) == EIGEN_VARIANT)  # fmt: skip
     columns = ["attention alone", "experts alone", "routers alone", "`lm_head` alone"]
     for group, column in zip(lds.GROUPS, columns, strict=True):
         out[column] = got[f"{eig}, {group} alone"]
@@ -191,6 +203,7 @@ def main() -> None:
     if "--eigenbasis" in sys.argv[1:]:
         held = list(lds.HELDOUT) + list(lds.HELDOUT_HEAD)
         sets = [("tuning", list(lds.TUNING)), ("held-out", held), ("HELDOUT_NEXT", list(lds.HELDOUT_NEXT))]
+        sets += [("HELDOUT_S18", list(lds.HELDOUT_S18))]
         eigen_main(results, sets)
         return
     tuning = list(lds.TUNING)
@@ -199,9 +212,10 @@ def main() -> None:
     print("Tuning configurations\n\n" + table(tuning, results))
     print("\nHeld-out configurations\n\n" + table(held, results))
     print("\nHeld out for the eigenbasis default (lds.HELDOUT_NEXT)\n\n" + table(later, results))
+    print("\nHeld out for its output layer (lds.HELDOUT_S18)\n\n" + table(list(lds.HELDOUT_S18), results))
     print("\n* Kronfluence's defaults fail on this family (an nn.Linear inside the MoE block sees tokens as its "
           "batch); attention + lm_head only, what it tracks on every other family")  # fmt: skip
-    sets = [("tuning", tuning), ("held-out", held), ("HELDOUT_NEXT", later)]
+    sets = [("tuning", tuning), ("held-out", held), ("HELDOUT_NEXT", later), ("HELDOUT_S18", list(lds.HELDOUT_S18))]
     print_means(sets, lambda n: per_query(n, results), " with per-query LDS")
 
 
