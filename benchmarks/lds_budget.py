@@ -74,6 +74,7 @@ def run(
     groups: bool = False,
     output_shapes: tuple[str, ...] = ("square",),
     seeded: bool = True,
+    expert_weights: tuple[float, ...] = (),
 ) -> dict:
     """Every variant of configuration `name` (`core`: only the default, exact rows and the eigenbasis
     budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations). The scaled eigenbasis
@@ -114,11 +115,12 @@ def run(
             out_floor: int = 0,
             shape: str | None = None,
             alone=None,
+            expert_weight: float = 1.0,
             **build,
         ) -> None:
             t0 = time.perf_counter()
             path = Path(tmp) / f"index-{len(results)}"
-            with allocation_rule(floor, out_floor, allocation, shape):
+            with allocation_rule(floor, out_floor, allocation, shape, expert_weight):
                 ma.build_index(model, examples, path, progress=False, **build)
             index = ma.load_index(path)
             q = ma.query_gradients(model, queries, index)
@@ -169,6 +171,9 @@ def run(
                         add(label, ek, allocation=a, floor=r, out_floor=ro, shape=shape,
                             alone=lds.groups(model) if groups else None, ekfac=ek, budget=budget,
                             index_dtype=dtype)  # fmt: skip
+                        for ew in expert_weights:
+                            add(f"{label}, experts x{ew:g}", ek, allocation=a, floor=r, out_floor=ro, shape=shape,
+                                expert_weight=ew, ekfac=ek, budget=budget, index_dtype=dtype)  # fmt: skip
                         if groups:
                             lone = ekfac(sketch, width, tracked=False)
                             add(f"{label}, untracked", lone, allocation=a, floor=r, out_floor=ro, shape=shape,
@@ -184,20 +189,29 @@ QWEN3_VOCAB = 151936
 
 
 @contextmanager
-def allocation_rule(floor: int, out_floor: int, allocation: float | None = None, shape: str | None = None):
+def allocation_rule(
+    floor: int,
+    out_floor: int,
+    allocation: float | None = None,
+    shape: str | None = None,
+    expert_weight: float = 1.0,
+):
     """The eigenbasis allocation with dense floor `floor`, output floor `out_floor` (`floor_rule`) and, if given,
-    allocation damping `allocation` and output floor shape `shape`, while the block runs (the library's module
-    settings, restored after)."""
+    allocation damping `allocation`, output floor shape `shape` and the experts' direction weights scaled by
+    `expert_weight` in the greedy (an exploration knob, not a library setting), while the block runs (the
+    library's module settings, restored after)."""
     kept = (eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor,
-            eigenbasis.OUTPUT_FLOOR_SHAPE)  # fmt: skip
+            eigenbasis.OUTPUT_FLOOR_SHAPE, eigenbasis.weights_of)  # fmt: skip
     eigenbasis.ALLOCATION_DAMPING = kept[0] if allocation is None else allocation
     eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = floor, floor_rule(out_floor)
     eigenbasis.OUTPUT_FLOOR_SHAPE = kept[3] if shape is None else shape
+    if expert_weight != 1.0:
+        eigenbasis.weights_of = lambda f: [w * expert_weight if f.experts else w for w in kept[4](f)]
     try:
         yield
     finally:
         (eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor,
-         eigenbasis.OUTPUT_FLOOR_SHAPE) = kept  # fmt: skip
+         eigenbasis.OUTPUT_FLOOR_SHAPE, eigenbasis.weights_of) = kept  # fmt: skip
 
 
 def floor_rule(out_floor: int):
@@ -416,6 +430,8 @@ def main() -> None:
                         choices=eigenbasis.OUTPUT_FLOOR_SHAPES, help="the output floor's shapes (square r x r, or "
                         "r * r cells shaped by the allocation's greedy)")  # fmt: skip
     parser.add_argument("--no_seeded", action="store_true", help="with --core: skip the seeded p=32 index")
+    parser.add_argument("--expert_weights", type=float, nargs="*", default=[],
+                        help="also each scaled index, experts' direction weights x w in the greedy")  # fmt: skip
     parser.add_argument("--no_exact", action="store_true", help="skip exact rows (the summary takes them from "
                         "another tag's file)")  # fmt: skip
     parser.add_argument("--summary", nargs="+", default=None, metavar="TAG", help="means over configs of these tags")
@@ -443,7 +459,7 @@ def main() -> None:
         result = run(name, Path(args.cache), args.sketch, tuple(args.fractions), args.core, tuple(args.scaled),
                      tuple(args.allocations), widths, tuple(args.dtypes), tuple(args.dense),
                      tuple(args.output_floors), not args.no_exact, args.groups, tuple(args.output_shapes),
-                     not args.no_seeded)  # fmt: skip
+                     not args.no_seeded, tuple(args.expert_weights))  # fmt: skip
         (OUT / f"lds-budget-{name}{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 
