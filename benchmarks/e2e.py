@@ -18,7 +18,9 @@ eager build's, beside two eager builds' own difference); `--build_tokens` sets t
 `--build_eigen 256KiB` also times, in the same rounds, the seeded build (`--expert_blocks separate`,
 p=`--projection_dim`) and an eigenbasis build (`build_index(ekfac=, budget=)`, factors fitted once before
 the rounds with `--eigen_sketch` and `--eigen_output_sketch`, rows stored as `--eigen_dtype`: `build`'s
-default) of the same model and batches: the eigenbasis build's tokens/s over the seeded build's.
+default) of the same model and batches: the eigenbasis build's tokens/s over the seeded build's, and what it collects
+per example (`eigen_collected`: each target's widest expert rectangle, padded, times its experts, against the
+columns it stores).
 
     python benchmarks/e2e.py --out benchmarks/results/e2e-h200.json [--parts collect phases build memory48]
 
@@ -344,6 +346,21 @@ def index_rows(path: Path) -> torch.Tensor:
     return torch.tensor(np.array(ma.load_index(path).gradients, dtype=np.float32))
 
 
+def collected_cells(directory: Path, settings: dict) -> dict:
+    """What an eigenbasis build forms per example: each target's collected rectangle (its experts' widest,
+    padded) times its experts, against the columns it stores; the experts' widest rectangles."""
+    from moe_attrib.curvature.eigenbasis import load_plan
+
+    plan = load_plan(directory, settings)
+    collected, widest = 0, []
+    for t in plan.targets:
+        kr, kc = t.widths
+        collected += kr * kc * len(t.shapes)
+        if t.experts:
+            widest.append([t.block, kr, kc])
+    return {"stored": plan.dim, "collected": collected, "experts_widest": widest}
+
+
 def build_part(
     layers: int,
     examples: int,
@@ -408,7 +425,9 @@ def build_part(
             separate_s.append(build_once(model, exs, graph_path, p, "separate", token_batch))
             eigen_s.append(build_once(model, exs, graph_path, None, "separate", token_batch, **eigen))
     if eigen:
-        eigen_dim = ma.load_index(graph_path).gradients.shape[1]
+        eigen_index = ma.load_index(graph_path)
+        eigen_dim = eigen_index.gradients.shape[1]
+        eigen_collected = collected_cells(graph_path, eigen_index.manifest["settings"])
         shutil.rmtree(graph_path, ignore_errors=True)
     index = ma.load_index(path)
     row = {
@@ -447,6 +466,7 @@ def build_part(
         row["eigen_tok_s"] = tokens / statistics.median(eigen_s[1:] or eigen_s)
         row["eigen_ratio_of_separate_tok_s"] = row["eigen_tok_s"] / row["separate_tok_s"]
         row["eigen_ratio_of_plain_tok_s"] = row["eigen_tok_s"] / row["plain_tok_s"]
+        row["eigen_collected"] = eigen_collected
     print(json.dumps(row), flush=True)
     if profile:
         profile_build(model, exs[:32], path, p)
