@@ -13,13 +13,15 @@ The rows are formed by the collector's `projector=` hook: each side's rows are m
 `P Q_top` (the factors' seeded sketch `P` for a side wider than the factors' projection dimension,
 the kept eigenvectors `Q_top` of the factor fitted in that space), so nothing wider than the kept
 directions is formed. An experts projection is collected with the widest rectangle of its experts
-and each expert's own rectangle is taken out of it (`EigenPlan.flatten`). A folded bias (EK-FAC's
+and each expert's own rectangle is taken out of it (`EigenPlan.flatten`); collected sides are padded with
+zero directions to a multiple of `COLLECT_MULTIPLE` (`padded`), never stored. A folded bias (EK-FAC's
 default) is part of its weight's block: the rotated bias gradient times the ones row of the input
 side's eigenvectors, as `moe_attrib.curvature.ekfac` rotates it.
 
 The budget (bytes per example, `parse_bytes`) first gives every dense block (not an expert) its
-leading `DENSE_DIRECTIONS x DENSE_DIRECTIONS` directions and the output layer its `output_floor`
-(`fit_floors`), then is spent greedily (`allocate`): a block grows by one
+leading `DENSE_DIRECTIONS x DENSE_DIRECTIONS` directions and the output layer `output_floor`^2 cells, in
+the shape the greedy gives them on its own directions (`OUTPUT_FLOOR_SHAPE`, `fit_floors`), then is spent
+greedily (`allocate`): a block grows by one
 row or one column of directions at a time, whichever adds the most `Lambda / (Lambda + d)` (the share
 of a direction in the effective dimension of the damped curvature) per stored column, `d` being
 `ALLOCATION_DAMPING` x the model-wide mean of `Lambda` whatever damping the factors carry: the
