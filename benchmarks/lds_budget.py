@@ -75,6 +75,7 @@ def run(
     output_shapes: tuple[str, ...] = ("square",),
     seeded: bool = True,
     expert_weights: tuple[float, ...] = (),
+    unbalanced: bool = False,
 ) -> dict:
     """Every variant of configuration `name` (`core`: only the default, exact rows and the eigenbasis
     budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations). The scaled eigenbasis
@@ -124,10 +125,13 @@ def run(
                 ma.build_index(model, examples, path, progress=False, **build)
             index = ma.load_index(path)
             q = ma.query_gradients(model, queries, index)
-            for group, glob in {None: None, **(alone or {})}.items():
-                scores = ma.score_matrix(index, q, ekfac=ek, modules=glob, device="cpu")
+            scored = {None: {}, **{g: {"modules": glob} for g, glob in (alone or {}).items()}}
+            if unbalanced and alone is not None:
+                scored["no output balance"] = {"balance": None}
+            for group, how in scored.items():
+                scores = ma.score_matrix(index, q, ekfac=ek, device="cpu", **how)
                 values = lds.per_query_lds(scores, subsets, losses)
-                mine = label if group is None else f"{label}, {group} alone"
+                mine = label if group is None else f"{label}, {group}" + (" alone" if "modules" in how else "")
                 results[mine] = {"bytes": bytes_per_example(index), "values": values}
                 print(f"  {name}: {mine}: {results[mine]['bytes']} B/example, LDS {values.mean():.3f} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
@@ -430,6 +434,8 @@ def main() -> None:
                         choices=eigenbasis.OUTPUT_FLOOR_SHAPES, help="the output floor's shapes (square r x r, or "
                         "r * r cells shaped by the allocation's greedy)")  # fmt: skip
     parser.add_argument("--no_seeded", action="store_true", help="with --core: skip the seeded p=32 index")
+    parser.add_argument("--unbalanced", action="store_true",
+                        help="with --groups: also each scaled index scored without the output balance")  # fmt: skip
     parser.add_argument("--expert_weights", type=float, nargs="*", default=[],
                         help="also each scaled index, experts' direction weights x w in the greedy")  # fmt: skip
     parser.add_argument("--no_exact", action="store_true", help="skip exact rows (the summary takes them from "
@@ -459,7 +465,7 @@ def main() -> None:
         result = run(name, Path(args.cache), args.sketch, tuple(args.fractions), args.core, tuple(args.scaled),
                      tuple(args.allocations), widths, tuple(args.dtypes), tuple(args.dense),
                      tuple(args.output_floors), not args.no_exact, args.groups, tuple(args.output_shapes),
-                     not args.no_seeded, tuple(args.expert_weights))  # fmt: skip
+                     not args.no_seeded, tuple(args.expert_weights), args.unbalanced)  # fmt: skip
         (OUT / f"lds-budget-{name}{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 
