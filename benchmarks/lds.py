@@ -391,11 +391,9 @@ OUT = DEFAULT_OUTPUT_PROJECTION_DIM  # the output layer's own p in `Attribution`
 class Attribution:
     """Indexes, factors and query rows of the full model, built once per setting through the public API."""
 
-    def __init__(
-        self, model, examples, queries, root: Path, device: str, optimizer_state: Path, score_device: str | None = None
-    ):
+    def __init__(self, model, examples, queries, root: Path, device: str, optimizer_state: Path):
         self.model, self.examples, self.queries, self.root = model, examples, queries, root
-        self.device, self.optimizer_state = score_device or device, optimizer_state
+        self.device, self.optimizer_state = device, optimizer_state  # where scores are computed
         self.cache: dict = {}
 
     def get(self, p: int | None, tracked: bool = True, opt: bool = False, kind: str = PROJECTION, out=OUT):
@@ -709,9 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     ps = [int(p) for p in args.projections.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        att = Attribution(
-            model, examples, queries, Path(tmp), args.device, model_dir / "optimizer.pt", args.score_device
-        )
+        score_device = args.score_device or args.device
+        att = Attribution(model, examples, queries, Path(tmp), score_device, model_dir / "optimizer.pt")
         scores = core_variants(att) if args.core else variants(att, ps)
     rng = np.random.default_rng(0)
     scores["random scores"] = rng.standard_normal(next(iter(scores.values())).shape)

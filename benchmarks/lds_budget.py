@@ -125,13 +125,12 @@ def run(
                 ma.build_index(model, examples, path, progress=False, **build)
             index = ma.load_index(path)
             q = ma.query_gradients(model, queries, index)
-            scored = {None: {}, **{g: {"modules": glob} for g, glob in (alone or {}).items()}}
+            scored = {label: {}, **{f"{label}, {g} alone": {"modules": glob} for g, glob in (alone or {}).items()}}
             if unbalanced and alone is not None:
-                scored["no output balance"] = {"balance": None}
-            for group, how in scored.items():
+                scored[f"{label}, no output balance"] = {"balance": None}
+            for mine, how in scored.items():
                 scores = ma.score_matrix(index, q, ekfac=ek, device="cpu", **how)
                 values = lds.per_query_lds(scores, subsets, losses)
-                mine = label if group is None else f"{label}, {group}" + (" alone" if "modules" in how else "")
                 results[mine] = {"bytes": bytes_per_example(index), "values": values}
                 print(f"  {name}: {mine}: {results[mine]['bytes']} B/example, LDS {values.mean():.3f} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip

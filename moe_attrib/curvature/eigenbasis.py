@@ -199,9 +199,14 @@ def allocate(
     return [(kr, kc) for kr, kc in shapes]
 
 
+def padded_width(k: int) -> int:
+    """`k` rounded up to a multiple of `COLLECT_MULTIPLE`: a collected side's width."""
+    return k + -k % COLLECT_MULTIPLE
+
+
 def padded(basis: torch.Tensor) -> torch.Tensor:
-    """`basis` `[(E,) features, K]` with zero columns appended up to a multiple of `COLLECT_MULTIPLE`."""
-    extra = -basis.shape[-1] % COLLECT_MULTIPLE
+    """`basis` `[..., K]` with zero columns appended up to `padded_width(K)`."""
+    extra = padded_width(basis.shape[-1]) - basis.shape[-1]
     return torch.nn.functional.pad(basis, (0, extra)) if extra else basis
 
 
@@ -229,7 +234,7 @@ class EigenTarget:
     def widths(self) -> tuple[int, int]:
         """Collected rectangle `(K_rows, K_cols)`: the widest of the blocks' rectangles, each side padded with
         zero directions to a multiple of `COLLECT_MULTIPLE` (`padded`; the padding is never stored)."""
-        k_in, k_out = padded(self.basis_in).shape[-1], padded(self.basis_out).shape[-1]
+        k_in, k_out = padded_width(self.basis_in.shape[-1]), padded_width(self.basis_out.shape[-1])
         return (k_in, k_out) if self.transposed else (k_out, k_in)
 
     def take(self, device: torch.device) -> torch.Tensor:
@@ -328,7 +333,7 @@ class EigenPlan:
             if t.bias:
                 okey = (t.block, device)
                 if okey not in self._ones:
-                    self._ones[okey] = padded(t.basis_in)[..., -1, :].to(device, torch.float32)
+                    self._ones[okey] = padded(t.basis_in[..., -1, :]).to(device, torch.float32)
                 ones, bias = self._ones[okey], grads[f"{t.block}.bias"].float()
                 value = value + (
                     ones.unsqueeze(-1) * bias.unsqueeze(-2) if t.transposed else bias.unsqueeze(-1) * ones.unsqueeze(-2)
@@ -509,7 +514,7 @@ def fit_floors(
     head = next((b for b, (_, is_head) in enumerate(kinds) if is_head), None)
     if head is not None and max(weights[head].shape) < vocab:  # the vocabulary side sketched
         kept = weights[head].shape
-        short = kept[0] * kept[1] < output * output if OUTPUT_FLOOR_SHAPE == "area" else max(kept) < min(output, vocab)
+        short = kept[0] * kept[1] < output * output if OUTPUT_FLOOR_SHAPE == "area" else max(kept) < output
         if short:
             warnings.warn(
                 f"moe-attrib: the factors keep {tuple(kept)} directions of the output layer, fewer than its floor "
