@@ -468,7 +468,11 @@ def build_part(
         row["eigen_ratio_of_plain_tok_s"] = row["eigen_tok_s"] / row["plain_tok_s"]
         row["eigen_collected"] = eigen_collected
     print(json.dumps(row), flush=True)
-    if profile:
+    if profile and eigen:
+        profile_build(model, exs, graph_path, p, "separate", "(seeded, separate)")
+        profile_build(model, exs, graph_path, None, "separate", "(eigenbasis)", **eigen)
+        shutil.rmtree(graph_path, ignore_errors=True)
+    elif profile:
         profile_build(model, exs[:32], path, p)
     shutil.rmtree(path, ignore_errors=True)
     model = None
@@ -476,20 +480,22 @@ def build_part(
     return row
 
 
-def profile_build(model, exs, path: Path, p: int) -> None:
+def profile_build(model, exs, path: Path, p: int | None, blocks: str = "sum", label: str = "", **eigen) -> None:
+    """Print torch.profiler tables (by self CPU and by self GPU time) of one `build_once` after a warm one."""
     from torch.profiler import ProfilerActivity, profile
 
-    build_once(model, exs, path, p, "sum", 8192)
+    build_once(model, exs, path, p, blocks, 8192, **eigen)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        build_once(model, exs, path, p, "sum", 8192)
+        build_once(model, exs, path, p, blocks, 8192, **eigen)
     events = prof.key_averages()
     cpu = sum(e.self_cpu_time_total for e in events) / 1e6
     gpu = sum(e.self_device_time_total for e in events) / 1e6
     calls = sum(e.count for e in events if e.key.startswith("aten::"))
     syncs = sum(e.count for e in events if "item" in e.key or "_local_scalar_dense" in e.key)
-    print(f"== profile of a 2-batch build: self CPU {cpu:.2f} s, self GPU {gpu:.2f} s, aten calls {calls}, "
-          f"scalar reads {syncs}")  # fmt: skip
+    print(f"== profile of a {len(exs)}-example build {label}: self CPU {cpu:.2f} s, self GPU {gpu:.2f} s, "
+          f"aten calls {calls}, scalar reads {syncs}")  # fmt: skip
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=48))
+    print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=48))
 
 
 def memory_part(layers: int, examples: int, p: int, token_batches: list[int]) -> list[dict]:
