@@ -1,0 +1,134 @@
+"""Score-time variants of the default eigenbasis index (damping, its scope, the output balance's weight), per
+configuration and as means over configuration sets with paired CIs against the default.
+
+Each configuration's default index (1 MiB as on Qwen3-30B-A3B, bfloat16, the library's floors and output sketch) is
+built once, and with `--expert_weight W` a second one whose experts' direction weights are scaled by W in the
+allocation's greedy (`lds_budget.allocation_rule`); both are scored with every variant of `VARIANTS`:
+
+    python benchmarks/probes/score_variants.py NAMES --cache CACHE --tag s19
+    python benchmarks/probes/score_variants.py NAMES --tag s19 --summary
+
+Writes benchmarks/results/issue32/score-variants-NAME-TAG.json (`{"variants": {label: {"per_query": [...]}}}`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import lds  # noqa: E402
+import lds_budget  # noqa: E402
+from lds_damping import mean_over  # noqa: E402
+
+import moe_attrib as ma  # noqa: E402
+from moe_attrib import settings  # noqa: E402
+from moe_attrib.curvature import eigenbasis  # noqa: E402
+from moe_attrib.curvature.eigenbasis import parse_bytes  # noqa: E402
+from moe_attrib.scoring.balance import Balance  # noqa: E402
+
+OUT = lds.ROOT / "benchmarks" / "results" / "issue32"
+SETS = (
+    ("the fifteen", [*lds.TUNING, *lds.HELDOUT, *lds.HELDOUT_HEAD, *lds.HELDOUT_NEXT, *lds.HELDOUT_S18]),
+    ("HELDOUT_S19", list(lds.HELDOUT_S19)),
+    ("gpu", ["gpu"]),
+)
+# label: (score_matrix keywords, the output balance's weight)
+VARIANTS = {
+    "default": ({}, 1.0),
+    "no balance": ({"balance": None}, 1.0),
+    "balance x0.5": ({}, 0.5),
+    "damping 0.1": ({"damping": 0.1}, 1.0),
+    "damping 1": ({"damping": 1.0}, 1.0),
+    "damping 0.01, module": ({"damping": 0.01, "damping_scope": "module"}, 1.0),
+    "damping 0.1, module": ({"damping": 0.1, "damping_scope": "module"}, 1.0),
+    "damping 1, module": ({"damping": 1.0, "damping_scope": "module"}, 1.0),
+}
+
+
+@contextmanager
+def balance_weight(w: float):
+    """The output balance with the output layer's vote scaled by `w` (`w * o / sigma_o`)."""
+    apply = Balance.apply
+    if w != 1.0:
+
+        def weighted(self, whole, preconditioned):  # Balance.apply with the output term scaled by w
+            output = preconditioned.to(whole.device) * self.columns.to(whole.device)
+            if self.coupling is not None:
+                output = self.coupling.apply(output)
+            rows = self.rows.to(whole.device)
+            spread_whole = (whole @ rows.T).std(dim=1, keepdim=True).clamp_min(1e-30)
+            spread_output = (output @ rows.T).std(dim=1, keepdim=True).clamp_min(1e-30)
+            q = whole / spread_whole + w * output / spread_output
+            return q * (whole.norm(dim=1, keepdim=True) / q.norm(dim=1, keepdim=True).clamp_min(1e-30))
+
+        Balance.apply = weighted
+    try:
+        yield
+    finally:
+        Balance.apply = apply
+
+
+def run(name: str, cache: Path, expert_weight: float | None) -> dict:
+    cached = lds.load_cached(name, cache)
+    model = cached.model()
+    report = ma.discover(model, track_moe_experts=True, warn=False)
+    width, sketch, dtype = settings.EIGENBASIS_OUTPUT_SKETCH, 128, "bfloat16"
+    ek = ma.fit_ekfac(model, cached.examples, projection_dim=sketch, output_projection_dim=width, progress=False)
+    floor, out_floor = eigenbasis.DENSE_DIRECTIONS, -eigenbasis.OUTPUT_VOCAB_FRACTION
+    budget = lds_budget.scaled_budget(parse_bytes("1MiB"), dtype, floor, out_floor, report,
+                                      lds_budget.weight_blocks(report), sketch, width, "area")  # fmt: skip
+    results = {}
+    for ew in (1.0,) if expert_weight is None else (1.0, expert_weight):
+        with tempfile.TemporaryDirectory() as tmp:
+            with lds_budget.allocation_rule(floor, out_floor, shape="area", expert_weight=ew):
+                ma.build_index(model, cached.examples, tmp, progress=False, ekfac=ek, budget=budget, index_dtype=dtype)
+            index = ma.load_index(tmp)
+            q = ma.query_gradients(model, cached.queries, index)
+            for label, (kw, w) in VARIANTS.items():
+                with balance_weight(w):
+                    s = ma.score_matrix(index, q, ekfac=ek, device="cpu", **kw)
+                values = lds.per_query_lds(np.asarray(s), cached.subsets, cached.losses)
+                full = label if ew == 1.0 else f"experts x{ew:g}, {label}"
+                results[full] = {"per_query": values.tolist()}
+                print(f"  {name}: {full}: LDS {values.mean():.3f}", flush=True)
+    return {"config": name, "variants": results}
+
+
+def summary(names: list[str], tag: str) -> None:
+    per = {}
+    for name in names:
+        path = OUT / f"score-variants-{name}-{tag}.json"
+        if path.exists():
+            per[name] = {k: np.array(v["per_query"]) for k, v in json.loads(path.read_text())["variants"].items()}
+            print(name, " ".join(f"{k}: {x.mean():.3f}" for k, x in per[name].items()))
+    for title, group in SETS:
+        have = [n for n in group if n in per]
+        if have:
+            print(f"\nmeans over {title} ({len(have)})")
+            mean_over(per, have, "default")
+
+
+def main() -> None:
+    parser = lds.cached_configs_parser(__doc__.splitlines()[0])
+    parser.add_argument("--tag", required=True)
+    parser.add_argument("--expert_weight", type=float, default=None)
+    parser.add_argument("--summary", action="store_true")
+    args = parser.parse_args()
+    if args.summary:
+        summary(args.configs, args.tag)
+        return
+    torch.set_num_threads(2)
+    for name in args.configs:
+        result = run(name, Path(args.cache), args.expert_weight)
+        (OUT / f"score-variants-{name}-{args.tag}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
