@@ -128,6 +128,22 @@ def test_all_row_scores_equal_brute_force(small_index, kwargs, tmp_path):
     assert_top_rows(top.rows, brute)
 
 
+def test_score_damping_keywords_redamp_the_factors(small_index):
+    """`damping=` / `damping_scope=` of the Python `score` and `score_matrix` re-damp the factors (they were
+    accepted and ignored before), and are refused without factors."""
+    root, index, ek, q = small_index
+    opts = {"coupling": None, "balance": None, "device": "cpu", "unit_normalize": False}
+    qq = ma.precondition_queries(q, index.blocks, ek.with_damping(0.5, "module"), index.manifest["settings"]).double()
+    brute = (qq @ torch.from_numpy(np.array(index.gradients)).double().T).numpy()
+    got = ma.score_matrix(index, q, ekfac=ek, damping=0.5, damping_scope="module", **opts)
+    assert np.allclose(got, brute, rtol=1e-4, atol=1e-8)
+    assert not np.allclose(got, ma.score_matrix(index, q, ekfac=ek, **opts), rtol=1e-3)
+    top = ma.score(index, q, ekfac=ek, damping=0.5, damping_scope="module", top_k=4, **opts)
+    assert_top_rows(top.rows, brute)
+    with pytest.raises(ma.ScoreError, match="ekfac="):
+        ma.score_matrix(index, q, damping=0.5, **opts)
+
+
 def test_damping_scopes_and_no_zero_damping():
     model = tiny_model("qwen3_moe")
     exs = [Example(0, [5, 9, 11])]  # 3 tokens x top-2: at least 2 of 8 experts receive none

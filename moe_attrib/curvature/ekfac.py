@@ -164,6 +164,13 @@ class EKFAC:
         out.settings.update(damping=damping, damping_scope=scope)
         return out
 
+    def redamped(self, damping: float | None, scope: str | None) -> EKFAC:
+        """`with_damping` where `damping` or `scope` is given (the other as fitted), else these factors."""
+        if damping is None and scope is None:
+            return self
+        damping = self.settings.get("damping") if damping is None else damping
+        return self.with_damping(damping, scope or self.settings.get("damping_scope", "expert"))
+
     def save(self, path: str | Path) -> None:
         """Write `factors.safetensors`, then `ekfac.json`, each under a temporary name renamed into place
         when complete. An earlier `ekfac.json` is removed first, so an interrupted save leaves no

@@ -167,6 +167,18 @@ def _device(device: str | torch.device | None) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def _redamped(ekfac: EKFAC | None, st: ScoreSettings) -> EKFAC | None:
+    """`ekfac` re-damped as `st` says (`damping`, `damping_scope`); refused without factors to damp."""
+    if st.damping is None and st.damping_scope is None:
+        return ekfac
+    if ekfac is None:
+        raise ScoreError(
+            f"damping={st.damping} / damping_scope={st.damping_scope} re-damp EK-FAC factors: pass ekfac= too "
+            "(without factors there is nothing to damp)."
+        )
+    return ekfac.redamped(st.damping, st.damping_scope)
+
+
 def score(
     index: Index,
     queries: torch.Tensor | np.ndarray | RefinedQueries,
@@ -195,6 +207,7 @@ def score(
     takes a fitted `coupling`).
     """
     (st,) = resolve("score", overrides, settings, kinds=(ScoreSettings,))
+    ekfac = _redamped(ekfac, st)
     unit_normalize, modules, top_k, per_module = st.unit_normalize, st.modules, st.top_k, st.per_module
     block_bytes, block_rows, threads, reader = st.block_bytes, st.block_rows, st.threads, st.reader
     device = _device(device)
@@ -274,6 +287,7 @@ def score_matrix(
     `settings` and keyword shortcuts as for `score` (`top_k` and `per_module` do not apply).
     """
     (st,) = resolve("score_matrix", overrides, settings, kinds=(ScoreSettings,))
+    ekfac = _redamped(ekfac, st)
     unit_normalize, modules = st.unit_normalize, st.modules
     block_bytes, block_rows, threads, reader = st.block_bytes, st.block_rows, st.threads, st.reader
     device = _device(device)

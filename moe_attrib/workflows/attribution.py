@@ -492,9 +492,8 @@ def score_queries(
                          refine, refine_ekfac, progress, say)  # fmt: skip
     if dist is not None and not dist.is_main:
         return None
-    if factors is not None and (st.damping is not None or st.damping_scope is not None):
-        damping = factors.settings.get("damping") if st.damping is None else st.damping
-        factors = factors.with_damping(damping, st.damping_scope or factors.settings.get("damping_scope", "expert"))
+    if factors is not None:
+        factors = factors.redamped(st.damping, st.damping_scope)
     coupling, balance = fit_corrections(idx, factors, st, coupled, dev, progress, say)
     opts = dict(ekfac=factors, unit_normalize=st.unit_normalize, modules=st.modules, coupling=coupling,
                 balance=balance, device=dev)  # fmt: skip
