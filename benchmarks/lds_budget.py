@@ -52,6 +52,7 @@ SCALED = ("256KiB", "1MiB")  # Qwen3-30B-A3B budgets the eigenbasis budgets are 
 OUT = Path(__file__).parent / "results" / "issue32"
 DEFAULT = f"default: projected p={DEFAULT_PROJECTION_DIM}, float32"
 EXACT = "exact rows"
+SEEDED_DAMPING = (0.01, "model")  # the seeded default as it was scored (the library's damping before session 19)
 
 
 def bytes_per_example(index) -> int:
@@ -116,7 +117,7 @@ def run(
             out_floor: int = 0,
             shape: str | None = None,
             alone=None,
-            expert_weight: float = 1.0,
+            expert_weight: float | None = None,
             **build,
         ) -> None:
             t0 = time.perf_counter()
@@ -137,7 +138,7 @@ def run(
 
         p0 = DEFAULT_PROJECTION_DIM
         if seeded or not core:
-            add(DEFAULT, ekfac(p0), projection_dim=p0)
+            add(DEFAULT, ekfac(p0).with_damping(*SEEDED_DAMPING), projection_dim=p0)
         if exact:
             add(EXACT, ekfac(None), projection_dim=None)
         for p in () if core else PS:
@@ -197,24 +198,22 @@ def allocation_rule(
     out_floor: int,
     allocation: float | None = None,
     shape: str | None = None,
-    expert_weight: float = 1.0,
+    expert_weight: float | None = None,
 ):
     """The eigenbasis allocation with dense floor `floor`, output floor `out_floor` (`floor_rule`) and, if given,
-    allocation damping `allocation`, output floor shape `shape` and the experts' direction weights scaled by
-    `expert_weight` in the greedy (an exploration knob, not a library setting), while the block runs (the
-    library's module settings, restored after)."""
+    allocation damping `allocation`, output floor shape `shape` and the experts' direction weight
+    `eigenbasis.EXPERT_WEIGHT` in the greedy, while the block runs (the library's module settings, restored after)."""
     kept = (eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor,
-            eigenbasis.OUTPUT_FLOOR_SHAPE, eigenbasis.weights_of)  # fmt: skip
+            eigenbasis.OUTPUT_FLOOR_SHAPE, eigenbasis.EXPERT_WEIGHT)  # fmt: skip
     eigenbasis.ALLOCATION_DAMPING = kept[0] if allocation is None else allocation
     eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = floor, floor_rule(out_floor)
     eigenbasis.OUTPUT_FLOOR_SHAPE = kept[3] if shape is None else shape
-    if expert_weight != 1.0:
-        eigenbasis.weights_of = lambda f: [w * expert_weight if f.experts else w for w in kept[4](f)]
+    eigenbasis.EXPERT_WEIGHT = kept[4] if expert_weight is None else expert_weight
     try:
         yield
     finally:
         (eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor,
-         eigenbasis.OUTPUT_FLOOR_SHAPE, eigenbasis.weights_of) = kept  # fmt: skip
+         eigenbasis.OUTPUT_FLOOR_SHAPE, eigenbasis.EXPERT_WEIGHT) = kept  # fmt: skip
 
 
 def floor_rule(out_floor: int):
@@ -436,7 +435,8 @@ def main() -> None:
     parser.add_argument("--unbalanced", action="store_true",
                         help="with --groups: also each scaled index scored without the output balance")  # fmt: skip
     parser.add_argument("--expert_weights", type=float, nargs="*", default=[],
-                        help="also each scaled index, experts' direction weights x w in the greedy")  # fmt: skip
+                        help="also each scaled index with the experts' direction weight w in the greedy "
+                        "(the library's: eigenbasis.EXPERT_WEIGHT)")  # fmt: skip
     parser.add_argument("--no_exact", action="store_true", help="skip exact rows (the summary takes them from "
                         "another tag's file)")  # fmt: skip
     parser.add_argument("--summary", nargs="+", default=None, metavar="TAG", help="means over configs of these tags")

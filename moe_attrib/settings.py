@@ -41,8 +41,8 @@ AUTO_MIN_BATCHES = 32  # batches of one shape that earn it a CUDA graph under cu
 PRECISIONS = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}  # a model dtype's --precision
 MAX_PROJECTION_DIM = 4096  # a p x p block per weight: 16M values at this p
 # EK-FAC
-DEFAULT_DAMPING = 0.01  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md: Damping)
-DEFAULT_DAMPING_SCOPE = "model"
+DEFAULT_DAMPING = 0.1  # x the mean corrected eigenvalue over DEFAULT_DAMPING_SCOPE (docs/quality.md: Damping)
+DEFAULT_DAMPING_SCOPE = "module"  # each module's own mean: its damping scales with its own curvature
 DAMPING_SCOPES = ("expert", "module", "model")
 DEFAULT_SAMPLED_LABELS = True  # the true Fisher (labels drawn from the model), not the empirical one
 DEFAULT_FOLD_BIAS = True  # bias preconditioned with its weight (docs/quality.md)

@@ -187,18 +187,21 @@ def test_allocation_floors():
         allocate([big, small], 3, floors=[(0, 0), (2, 2)])
 
 
-def test_allocation_ignores_the_factors_damping(monkeypatch):
+@pytest.mark.parametrize("expert_weight", [0.25, 1.0])
+def test_allocation_ignores_the_factors_damping(monkeypatch, expert_weight):
     """The budget is spent by `Lambda / (Lambda + m)`, `m` the model-wide mean of every corrected eigenvalue
-    (worked out here from the factors' own `lam`), whatever damping the factors carry: fitted with the default,
-    re-damped 1 x model-wide or 0.5 x per module, the plan keeps the same rectangles (no floors here:
-    `test_plan_floors`)."""
+    (worked out here from the factors' own `lam`), an expert's times `EXPERT_WEIGHT` (0.25, the default; 1
+    counts it as a dense block's), whatever damping the factors carry: fitted with the default, re-damped 1 x
+    model-wide or 0.5 x per module, the plan keeps the same rectangles (no floors here: `test_plan_floors`)."""
+    assert eigenbasis.EXPERT_WEIGHT == 0.25
+    monkeypatch.setattr(eigenbasis, "EXPERT_WEIGHT", expert_weight)
     monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 0)
     model = tiny_model("qwen3_moe")
     report = ma.discover(model, track_moe_experts=True)
     ek = fit_ekfac(model, examples(6), projection_dim=8, token_batch_size=48, progress=False)
     lams = [f.lam.double() for f in ek.factors.values()]
     mean = float(sum(lam.sum() for lam in lams) / sum(lam.numel() for lam in lams))
-    plans = [plan_eigenbasis(report, e, "2KiB") for e in (ek, ek.with_damping(1.0), ek.with_damping(0.5, "module"))]
+    plans = [plan_eigenbasis(report, e, "8KiB") for e in (ek, ek.with_damping(1.0), ek.with_damping(0.5, "module"))]
     shapes = [[s for t in plan.targets for s in t.shapes] for plan in plans]
     assert shapes[0] == shapes[1] == shapes[2]
     weights = []
@@ -208,8 +211,23 @@ def test_allocation_ignores_the_factors_damping(monkeypatch):
         lam = f.lam.double()
         for e in range(len(target.shapes)):
             le, r, c = (lam[e], rows[e], cols[e]) if lam.dim() == 3 else (lam, rows, cols)
-            weights.append((le / (le + mean))[r][:, c])
-    assert shapes[0] == allocate(weights, parse_bytes("2KiB") // 4)
+            weights.append((le / (le + mean))[r][:, c] * (expert_weight if lam.dim() == 3 else 1.0))
+    assert shapes[0] == allocate(weights, parse_bytes("8KiB") // 4)
+
+
+def test_experts_weight_moves_columns_to_dense_blocks(monkeypatch):
+    """At the same budget, the default weight (0.25) gives the experts fewer columns than weight 1 and the dense
+    blocks more (each plan checked against its hand-computed weights above)."""
+    model = tiny_model("qwen3_moe")
+    report = ma.discover(model, track_moe_experts=True)
+    ek = fit_ekfac(model, examples(6), projection_dim=8, token_batch_size=48, progress=False)
+    monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 0)
+    cells = {}
+    for w in (0.25, 1.0):
+        monkeypatch.setattr(eigenbasis, "EXPERT_WEIGHT", w)
+        plan = plan_eigenbasis(report, ek, "8KiB")
+        cells[w] = sum(kr * kc for t in plan.targets if t.experts for kr, kc in t.shapes)
+    assert 0 < cells[0.25] < cells[1.0]
 
 
 def test_output_floor_area_is_shaped_by_the_greedy(monkeypatch):
@@ -243,7 +261,7 @@ def test_plan_floors(monkeypatch):
         mean /= sum(g.lam.numel() for g in ek.factors.values())
         for e in range(lam.shape[0] if lam.dim() == 3 else 1):
             le, r, c = (lam[e], rows[e], cols[e]) if lam.dim() == 3 else (lam, rows, cols)
-            weights.append((le / (le + mean))[r][:, c])
+            weights.append((le / (le + mean))[r][:, c] * (0.25 if lam.dim() == 3 else 1.0))  # EXPERT_WEIGHT
             side = 0 if lam.dim() == 3 else 16 if block == "lm_head" else 4
             rects.append((min(side, le.shape[0]), min(side, le.shape[1])))
     assert ("lm_head" in ek.factors) and rects[list(ek.factors).index("lm_head")] != (4, 4)

@@ -25,7 +25,8 @@ from moe_attrib.settings import (
 HELP = Path(__file__).parent / "data" / "help-0.1.0"
 CHANGED_DEFAULTS = {  # command: [(0.1.0's help text, today's)]
     "ekfac": [
-        ("over --damping_scope (default: 1.0)", "over --damping_scope (default: 0.01)"),
+        ("over --damping_scope (default: 1.0)", "over --damping_scope (default: 0.1)"),
+        ("or the whole model (default: model)", "or the whole model (default: module)"),
         (
             "p x p (default 32, or the index's)",
             "p x p (default: the index's; without --index 128, the sketch of\n"
@@ -115,7 +116,7 @@ def test_flags_give_0_1_0s_defaults():
     assert DataSettings.from_args(build) == DataSettings()
     ekfac = parse("ekfac", "m", "d", "--out", "o")
     assert EkfacSettings.from_args(ekfac) == EkfacSettings()
-    assert EkfacSettings() == EkfacSettings(damping=0.01, damping_scope="model", sampled_labels=True, fold_bias=True)
+    assert EkfacSettings() == EkfacSettings(damping=0.1, damping_scope="module", sampled_labels=True, fold_bias=True)
     score = parse("score", "--index", "i", "m", "q", "--out", "o")
     assert ScoreSettings.from_args(score) == ScoreSettings()
     assert ScoreSettings().coupling == {"gamma": 30.0, "rank": 64, "sample": 512} and ScoreSettings().balanced

@@ -1,9 +1,11 @@
 """Score-time variants of the default eigenbasis index (damping, its scope, the output balance's weight), per
 configuration and as means over configuration sets with paired CIs against the default.
 
-Each configuration's default index (1 MiB as on Qwen3-30B-A3B, bfloat16, the library's floors and output sketch) is
-built once, and with `--expert_weight W` a second one whose experts' direction weights are scaled by W in the
-allocation's greedy (`lds_budget.allocation_rule`); both are scored with every variant of `VARIANTS`:
+Each configuration's eigenbasis index (1 MiB as on Qwen3-30B-A3B, bfloat16, the library's floors and output sketch)
+is built with the experts' direction weight 1 (the default before session 19, labelled "default") and with
+`--expert_weight W` a second time with weight W in the allocation's greedy (`lds_budget.allocation_rule`); both are
+scored with every variant of `VARIANTS` (the scoring damping given explicitly; "default": 0.01 x the model-wide
+mean, the default before session 19). `--seeded`: the seeded p=32 index instead:
 
     python benchmarks/probes/score_variants.py NAMES --cache CACHE --tag s19
     python benchmarks/probes/score_variants.py NAMES --tag s19 --summary
@@ -41,11 +43,11 @@ SETS = (
 )
 # label: (score_matrix keywords, the output balance's weight)
 VARIANTS = {
-    "default": ({}, 1.0),
-    "no balance": ({"balance": None}, 1.0),
-    "balance x0.5": ({}, 0.5),
-    "damping 0.1": ({"damping": 0.1}, 1.0),
-    "damping 1": ({"damping": 1.0}, 1.0),
+    "default": ({"damping": 0.01, "damping_scope": "model"}, 1.0),
+    "no balance": ({"balance": None, "damping": 0.01, "damping_scope": "model"}, 1.0),
+    "balance x0.5": ({"damping": 0.01, "damping_scope": "model"}, 0.5),
+    "damping 0.1": ({"damping": 0.1, "damping_scope": "model"}, 1.0),
+    "damping 1": ({"damping": 1.0, "damping_scope": "model"}, 1.0),
     "damping 0.01, module": ({"damping": 0.01, "damping_scope": "module"}, 1.0),
     "damping 0.1, module": ({"damping": 0.1, "damping_scope": "module"}, 1.0),
     "damping 1, module": ({"damping": 1.0, "damping_scope": "module"}, 1.0),
@@ -73,6 +75,26 @@ def balance_weight(w: float):
         yield
     finally:
         Balance.apply = apply
+
+
+def run_seeded(name: str, cache: Path) -> dict:
+    """The seeded p=32 index (`build_index`'s Python default) with its factors (`ekfac --index`'s p), scored with
+    the damping variants."""
+    cached = lds.load_cached(name, cache)
+    model = cached.model()
+    ek = ma.fit_ekfac(model, cached.examples, projection_dim=32, progress=False)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ma.build_index(model, cached.examples, tmp, progress=False, projection_dim=32)
+        index = ma.load_index(tmp)
+        q = ma.query_gradients(model, cached.queries, index)
+        for label, (kw, w) in VARIANTS.items():
+            if w == 1.0 and "balance" not in kw and "x0" not in label:
+                s = ma.score_matrix(index, q, ekfac=ek, device="cpu", **kw)
+                values = lds.per_query_lds(np.asarray(s), cached.subsets, cached.losses)
+                results[label] = {"per_query": values.tolist()}
+                print(f"  {name}: seeded, {label}: LDS {values.mean():.3f}", flush=True)
+    return {"config": name, "variants": results}
 
 
 def run(name: str, cache: Path, expert_weight: float | None) -> dict:
@@ -120,13 +142,14 @@ def main() -> None:
     parser.add_argument("--tag", required=True)
     parser.add_argument("--expert_weight", type=float, default=None)
     parser.add_argument("--summary", action="store_true")
+    parser.add_argument("--seeded", action="store_true", help="the seeded p=32 index instead of the eigenbasis ones")
     args = parser.parse_args()
     if args.summary:
         summary(args.configs, args.tag)
         return
     torch.set_num_threads(2)
     for name in args.configs:
-        result = run(name, Path(args.cache), args.expert_weight)
+        result = run_seeded(name, Path(args.cache)) if args.seeded else run(name, Path(args.cache), args.expert_weight)
         (OUT / f"score-variants-{name}-{args.tag}.json").write_text(json.dumps(result))
 
 

@@ -23,7 +23,8 @@ leading `DENSE_DIRECTIONS x DENSE_DIRECTIONS` directions and the output layer `o
 the shape the greedy gives them on its own directions (`OUTPUT_FLOOR_SHAPE`, `fit_floors`), then is spent
 greedily (`allocate`): a block grows by one
 row or one column of directions at a time, whichever adds the most `Lambda / (Lambda + d)` (the share
-of a direction in the effective dimension of the damped curvature) per stored column, `d` being
+of a direction in the effective dimension of the damped curvature; an expert's counted `EXPERT_WEIGHT`
+as much) per stored column, `d` being
 `ALLOCATION_DAMPING` x the model-wide mean of `Lambda` whatever damping the factors carry: the
 allocation measured on the LDS benchmark (docs/build.md) does not move with the scoring damping.
 The kept eigenvectors are written next to the index (`eigenbasis.safetensors`) so queries are
@@ -59,6 +60,7 @@ OUTPUT_DIRECTIONS_MAX = 256  # the output layer's floor: its vocabulary / OUTPUT
 OUTPUT_VOCAB_FRACTION = 8  # [DENSE_DIRECTIONS, OUTPUT_DIRECTIONS_MAX] (`output_floor`)
 OUTPUT_FLOOR_SHAPES = ("square", "area")
 OUTPUT_FLOOR_SHAPE = "area"  # r * r cells shaped by `allocate` (`fit_floors`), or the r x r rectangle ("square")
+EXPERT_WEIGHT = 0.25  # an expert's directions count this much in the greedy (docs/build.md: The experts' weight)
 COLLECT_MULTIPLE = 8  # collected sides padded with zero directions to a multiple of this: grouped_mm needs
 # 16-byte strides (8 bfloat16 values), else the collector falls back to one matmul per expert (4.6x slower build)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -363,13 +365,14 @@ class EigenPlan:
 
 
 def weights_of(f: Factor) -> list[torch.Tensor]:
-    """Per block (expert), `Lambda / (Lambda + f.damping)` with rows and columns sorted by `direction_order`."""
+    """Per block (expert), `Lambda / (Lambda + f.damping)` with rows and columns sorted by `direction_order`,
+    times `EXPERT_WEIGHT` for an expert's."""
     rows, cols = direction_order(f)
     lam = f.lam.detach().double().cpu()
     damp = f.damping.detach().double().cpu()
     if lam.dim() == 2:
         return [_sorted(lam / (lam + damp), rows, cols)]
-    return [_sorted(lam[e] / (lam[e] + damp[e]), rows[e], cols[e]) for e in range(lam.shape[0])]
+    return [EXPERT_WEIGHT * _sorted(lam[e] / (lam[e] + damp[e]), rows[e], cols[e]) for e in range(lam.shape[0])]
 
 
 def plan_eigenbasis(
