@@ -127,14 +127,15 @@ def table(names: list[str], results: Path) -> str:
     return "\n".join(lines)
 
 
-GROUPS_FILE = "issue32/lds-budget-{}-s18groups.json"  # lds_budget.py --groups: the eigenbasis default's rows
+GROUPS_FILE = "issue32/lds-budget-{}-s19groups.json"  # lds_budget.py --groups: the eigenbasis default's rows
 DEFAULT_VARIANT = (  # the eigenbasis default's label there (the output floor's cells shaped by the greedy, sketch 1024)
     "eigenbasis, (as 1024 KiB on Qwen3-30B-A3B), bfloat16, output sketch 1024, dense floor 32, "
     "output floor V/8 in [dense, 256], area"
 )
-BEFORE_FILE = "issue32/lds-budget-{}-s18out.json"  # lds_budget.py --output_shapes square area --output_widths ...
+# the same label in session 18's files: the eigenbasis default then (experts' weight 1, damping 0.01 x model-wide)
+BEFORE_FILE = "issue32/lds-budget-{}-s18groups.json"
 SEEDED = "seeded p=32 (the default before)"
-BEFORE = "eigenbasis, square floor, sketch 512 (the default before)"
+BEFORE = "eigenbasis default before (experts x1, damping 0.01 x model)"
 EIGEN_COLUMNS = [
     "untracked",
     "exact rows",
@@ -162,13 +163,15 @@ def eigen_per_query(name: str, results: Path) -> dict[str, np.ndarray]:
     if before.exists():
         earlier = json.loads(before.read_text())["variants"]
         out[BEFORE] = next(np.array(r["per_query"]) for label, r in earlier.items()
-                           if re.sub(r"budget \d+ B ", "", label) == EIGEN_VARIANT)  # fmt: skip
+                           if re.sub(r"budget \d+ B ", "", label) == DEFAULT_VARIANT)  # fmt: skip
     columns = ["attention alone", "experts alone", "routers alone", "`lm_head` alone"]
     for group, column in zip(lds.GROUPS, columns, strict=True):
         out[column] = got[f"{eig}, {group} alone"]
     seeded = per_query(name, results)
     if seeded and np.allclose(seeded["default"], out[SEEDED]):
         out.update({k: seeded[k] for k in ("ceiling", "exact rows", KRONFLUENCE) if k in seeded})
+    if "exact rows" in got:  # scored with the default damping beside the default (lds_budget.py without --no_exact)
+        out["exact rows"] = got["exact rows"]
     return out
 
 
@@ -203,7 +206,7 @@ def main() -> None:
     if "--eigenbasis" in sys.argv[1:]:
         held = list(lds.HELDOUT) + list(lds.HELDOUT_HEAD)
         sets = [("tuning", list(lds.TUNING)), ("held-out", held), ("HELDOUT_NEXT", list(lds.HELDOUT_NEXT))]
-        sets += [("HELDOUT_S18", list(lds.HELDOUT_S18))]
+        sets += [("HELDOUT_S18", list(lds.HELDOUT_S18)), ("HELDOUT_S19", list(lds.HELDOUT_S19))]
         eigen_main(results, sets)
         return
     tuning = list(lds.TUNING)
