@@ -128,10 +128,13 @@ def factors_fingerprint(ekfac: EKFAC) -> str:
     h = hashlib.sha256()
     for name in sorted(ekfac.factors):
         f = ekfac.factors[name]
-        lam = f.lam.detach().double().cpu().contiguous()
-        h.update(f"{name}:{f.bias}:{tuple(lam.shape)};".encode())
-        h.update(_derived(f.lam, "bytes-hash", lambda lam=lam: hashlib.sha256(lam.numpy().tobytes()).digest()))
+        h.update(f"{name}:{f.bias}:{tuple(f.lam.shape)};".encode())
+        h.update(_derived(f.lam, "bytes-hash", lambda f=f: hashlib.sha256(_float64_bytes(f.lam)).digest()))
     return h.hexdigest()
+
+
+def _float64_bytes(lam: torch.Tensor) -> bytes:
+    return lam.detach().double().cpu().contiguous().numpy().tobytes()
 
 
 def _sorted(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -163,12 +166,13 @@ def allocate(
         )
     heap: list[tuple[float, int, int, int]] = []  # (-gain per cell, block, move, version)
     version = [0] * len(weights)
+    arrays = [w.detach().cpu().double().numpy() for w in weights]  # numpy views: no tensor op per move
 
     def best(b: int) -> tuple[float, int, int] | None:
         """(gain per cell, move, cost) of block b's best move that fits: 0 open, 1 row, 2 column."""
-        w, (kr, kc) = weights[b], shapes[b]
+        w, (kr, kc) = arrays[b], shapes[b]
         if kr == 0:
-            return (float(w[0, 0]), 0, 1) if w.numel() and left >= 1 else None
+            return (float(w[0, 0]), 0, 1) if w.size and left >= 1 else None
         moves = []
         if kr < w.shape[0] and kc <= left:
             moves.append((float(w[kr, :kc].sum()) / kc, 1, kc))
@@ -242,11 +246,12 @@ class EigenTarget:
     def take(self, device: torch.device) -> torch.Tensor:
         """Positions of the stored columns in the flattened collected rectangles `[(E,) K_rows, K_cols]`."""
         kr_max, kc_max = self.widths
-        parts = []
-        for e, (kr, kc) in enumerate(self.shapes):
-            r = torch.arange(kr, device=device)[:, None] * kc_max + torch.arange(kc, device=device)[None, :]
-            parts.append(r.reshape(-1) + e * kr_max * kc_max)
-        return torch.cat(parts)
+        kr, kc = torch.tensor(self.shapes, dtype=torch.long).reshape(-1, 2).unbind(1)
+        cells = kr * kc
+        expert = torch.repeat_interleave(torch.arange(len(self.shapes)), cells)
+        local = torch.arange(int(cells.sum())) - torch.repeat_interleave(cells.cumsum(0) - cells, cells)
+        width = kc[expert]
+        return ((local // width) * kc_max + local % width + expert * kr_max * kc_max).to(device)
 
 
 class EigenPlan:
@@ -372,7 +377,9 @@ def weights_of(f: Factor) -> list[torch.Tensor]:
     damp = f.damping.detach().double().cpu()
     if lam.dim() == 2:
         return [_sorted(lam / (lam + damp), rows, cols)]
-    return [EXPERT_WEIGHT * _sorted(lam[e] / (lam[e] + damp[e]), rows[e], cols[e]) for e in range(lam.shape[0])]
+    w = lam / (lam + damp.view(-1, 1, 1))
+    w = w.gather(1, rows[:, :, None].expand(-1, -1, w.shape[2])).gather(2, cols[:, None, :].expand(-1, w.shape[1], -1))
+    return list((EXPERT_WEIGHT * w).unbind(0))
 
 
 def plan_eigenbasis(
