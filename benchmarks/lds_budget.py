@@ -251,6 +251,7 @@ def scaled_budget(
         big = eigenbasis.output_floor(QWEN3_VOCAB, floor)
         mine = eigenbasis.plan_floors(report, sketch, width)
     taken = (QWEN3_BLOCKS - QWEN3_EXPERT_BLOCKS - 1) * floor**2 + big**2
+    taken += QWEN3_EXPERT_BLOCKS * eigenbasis.EXPERT_DIRECTIONS**2
     per_expert = (qwen3_bytes // size - taken) / QWEN3_EXPERT_BLOCKS
     return int((mine.columns + per_expert * mine.expert_blocks) * size)
 

@@ -196,6 +196,7 @@ def test_allocation_ignores_the_factors_damping(monkeypatch, expert_weight):
     assert eigenbasis.EXPERT_WEIGHT == 0.25
     monkeypatch.setattr(eigenbasis, "EXPERT_WEIGHT", expert_weight)
     monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 0)
+    monkeypatch.setattr(eigenbasis, "EXPERT_DIRECTIONS", 0)
     model = tiny_model("qwen3_moe")
     report = ma.discover(model, track_moe_experts=True)
     ek = fit_ekfac(model, examples(6), projection_dim=8, token_batch_size=48, progress=False)
@@ -222,12 +223,29 @@ def test_experts_weight_moves_columns_to_dense_blocks(monkeypatch):
     report = ma.discover(model, track_moe_experts=True)
     ek = fit_ekfac(model, examples(6), projection_dim=8, token_batch_size=48, progress=False)
     monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 0)
+    monkeypatch.setattr(eigenbasis, "EXPERT_DIRECTIONS", 0)
     cells = {}
     for w in (0.25, 1.0):
         monkeypatch.setattr(eigenbasis, "EXPERT_WEIGHT", w)
         plan = plan_eigenbasis(report, ek, "8KiB")
         cells[w] = sum(kr * kc for t in plan.targets if t.experts for kr, kc in t.shapes)
     assert 0 < cells[0.25] < cells[1.0]
+
+
+def test_every_tracked_expert_keeps_its_leading_pair(monkeypatch):
+    """With the default floors every expert block stores its leading direction pair, also where the greedy
+    would give the experts nothing (a budget of the floors alone), so per-expert answers never vanish from a
+    tracked index; without the expert floor they do."""
+    model = tiny_model("qwen3_moe")  # 2 layers x (gate_up_proj, down_proj) x 8 experts
+    report = ma.discover(model, track_moe_experts=True)
+    ek = fit_ekfac(model, examples(6), projection_dim=8, token_batch_size=48, progress=False)
+    for floor, want in ((1, (1, 1)), (0, (0, 0))):
+        monkeypatch.setattr(eigenbasis, "EXPERT_DIRECTIONS", floor)
+        budget = 4 * eigenbasis.plan_floors(report, 8, 8).columns
+        with pytest.warns(UserWarning, match="output_projection_dim"):
+            plan = plan_eigenbasis(report, ek, budget)
+        shapes = [s for t in plan.targets if t.experts for s in t.shapes]
+        assert len(shapes) == 32 and set(shapes) == {want}
 
 
 def test_output_floor_area_is_shaped_by_the_greedy(monkeypatch):
@@ -262,7 +280,7 @@ def test_plan_floors(monkeypatch):
         for e in range(lam.shape[0] if lam.dim() == 3 else 1):
             le, r, c = (lam[e], rows[e], cols[e]) if lam.dim() == 3 else (lam, rows, cols)
             weights.append((le / (le + mean))[r][:, c] * (0.25 if lam.dim() == 3 else 1.0))  # EXPERT_WEIGHT
-            side = 0 if lam.dim() == 3 else 16 if block == "lm_head" else 4
+            side = 1 if lam.dim() == 3 else 16 if block == "lm_head" else 4  # an expert: its leading pair
             rects.append((min(side, le.shape[0]), min(side, le.shape[1])))
     assert ("lm_head" in ek.factors) and rects[list(ek.factors).index("lm_head")] != (4, 4)
     floor_cells = sum(r * c for r, c in rects)
@@ -321,7 +339,7 @@ def test_inspect_plans_from_config_alone(tmp_path, capsys):
 def test_inspect_plans_the_eigenbasis_floors_of_qwen3_30b_a3b(capsys):
     """On the Qwen3-30B-A3B shape (config only): 48 layers x (4 attention projections + the router) dense blocks
     at 32 x 32 and the output layer's min(151936 / 8, 256)^2 = 65,536 cells (hidden 2048, sketched to 1024), worked
-    out from the config by hand; the experts share what 1 MiB of bfloat16 leaves."""
+    out from the config by hand, every expert block's leading pair; the greedy spends what 1 MiB of bfloat16 leaves."""
     from pathlib import Path
 
     from moe_attrib.app.cli import main
@@ -331,12 +349,12 @@ def test_inspect_plans_the_eigenbasis_floors_of_qwen3_30b_a3b(capsys):
     out = capsys.readouterr().out.splitlines()
     line = [x for x in out if x.startswith("eigenbasis floors")]
     assert "index bytes per example: 1048576" in out  # 1 MiB: 1/49 of the seeded p=32 index's 51,318,784
-    floors = 48 * 5 * 32 * 32 + 256 * 256
-    per_expert = (2**20 // 2 - floors) / (48 * 128 * 2)
+    floors = 48 * 5 * 32 * 32 + 256 * 256 + 48 * 128 * 2  # every expert block its leading pair
+    per_expert = 1 + (2**20 // 2 - floors) / (48 * 128 * 2)
     assert len(line) == 1
-    head = "the output layer's 65536 cells (256 x 256, shaped by its eigenvalues)"
+    head = "the output layer's 65536 cells (256 x 256, shaped by its eigenvalues), 12288 expert blocks at 1"
     assert f"floors: {floors} columns (241 dense blocks at 32 directions a side, {head})" in line[0]
-    assert line[0].endswith(f"12288 expert blocks share the rest, {per_expert:.1f} columns each")
+    assert line[0].endswith(f"at most {per_expert:.1f} columns an expert block on average")
 
 
 def test_cli_flow_and_refused_factors(tmp_path, capsys):

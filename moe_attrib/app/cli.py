@@ -80,7 +80,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if report.routers:
         print("\nrouters: " + ", ".join(report.routers))
     if report.targets:
-        from moe_attrib.curvature.eigenbasis import DTYPE_BYTES, OUTPUT_FLOOR_SHAPE, plan_floors
+        from moe_attrib.curvature.eigenbasis import DTYPE_BYTES, EXPERT_DIRECTIONS, OUTPUT_FLOOR_SHAPE, plan_floors
         from moe_attrib.indexing.index import column_plan
         from moe_attrib.settings import DEFAULT_BUDGET
 
@@ -96,7 +96,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             rest = f"; the budget holds every direction pair ({fl.directions} columns)"
         elif fl.expert_blocks:
             each = fl.per_expert(DEFAULT_BUDGET, EIGENBASIS_INDEX_DTYPE)
-            rest = f"; {fl.expert_blocks} expert blocks share the rest, {each:.1f} columns each"
+            rest = f"; the greedy spends the rest, at most {each:.1f} columns an expert block on average"
         else:
             rest = "; the greedy spends the rest"
         head = (
@@ -104,8 +104,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             if OUTPUT_FLOOR_SHAPE == "area"
             else f"the output layer at {fl.output}"
         )
+        experts = f", {fl.expert_blocks} expert blocks at {EXPERT_DIRECTIONS}" if fl.expert_blocks else ""
         print(f"eigenbasis floors: {fl.columns} columns ({fl.dense_blocks} dense blocks at {fl.dense} directions a "
-              f"side, {head}){rest}")  # fmt: skip
+              f"side, {head}{experts}){rest}")  # fmt: skip
         st = CollectSettings()
         dims = st.target_dims(report.output_layer)
         columns = column_plan(report, st.projection_dim, "separate", st.projection, dims)[-1].stop

@@ -19,7 +19,8 @@ default) is part of its weight's block: the rotated bias gradient times the ones
 side's eigenvectors, as `moe_attrib.curvature.ekfac` rotates it.
 
 The budget (bytes per example, `parse_bytes`) first gives every dense block (not an expert) its
-leading `DENSE_DIRECTIONS x DENSE_DIRECTIONS` directions and the output layer `output_floor`^2 cells, in
+leading `DENSE_DIRECTIONS x DENSE_DIRECTIONS` directions, every expert its leading pair (`EXPERT_DIRECTIONS`,
+so no tracked expert is left without a part) and the output layer `output_floor`^2 cells, in
 the shape the greedy gives them on its own directions (`OUTPUT_FLOOR_SHAPE`, `fit_floors`), then is spent
 greedily (`allocate`): a block grows by one
 row or one column of directions at a time, whichever adds the most `Lambda / (Lambda + d)` (the share
@@ -56,6 +57,7 @@ BASIS_FILE = "eigenbasis.safetensors"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ALLOCATION_DAMPING = 1.0  # x the model-wide mean Lambda: how the budget is spent, whatever the factors' damping
 DENSE_DIRECTIONS = 32  # each dense (not expert) block starts with this many directions a side (`fit_floors`)
+EXPERT_DIRECTIONS = 1  # each expert block with this many (its leading pair): every tracked expert keeps a part
 OUTPUT_DIRECTIONS_MAX = 256  # the output layer's floor: its vocabulary / OUTPUT_VOCAB_FRACTION, within
 OUTPUT_VOCAB_FRACTION = 8  # [DENSE_DIRECTIONS, OUTPUT_DIRECTIONS_MAX] (`output_floor`)
 OUTPUT_FLOOR_SHAPES = ("square", "area")
@@ -447,9 +449,10 @@ class FloorPlan:
     directions: int = 0  # every direction pair of every block at the factors' sketch: the most an index stores
 
     def per_expert(self, budget: int | str, index_dtype: str) -> float:
-        """Columns each expert block gets, on average, from what the floors leave of `budget`."""
+        """Columns an expert block gets on average at most: its floor and an equal share of what the floors leave
+        of `budget` (the greedy gives part of that to the dense blocks' further directions)."""
         left = budget_columns(parse_bytes(budget), index_dtype) - self.columns
-        return max(left, 0) / max(self.expert_blocks, 1)
+        return EXPERT_DIRECTIONS**2 + max(left, 0) / max(self.expert_blocks, 1)
 
     def stored(self, budget: int | str, index_dtype: str) -> int:
         """Columns an index of `budget` stores: the budget's, or every direction pair where it buys more."""
@@ -469,6 +472,7 @@ def plan_floors(
         directions += a * g * (experts or 1)
         if experts:
             expert_blocks += experts
+            cells += experts * min(EXPERT_DIRECTIONS, a) * min(EXPERT_DIRECTIONS, g)
             continue
         dense_blocks += 1
         if name == report.output_layer and OUTPUT_FLOOR_SHAPE == "area":
@@ -507,20 +511,20 @@ def fit_floors(
     them: 241 of 12,529 blocks on Qwen3-30B-A3B) and the experts the rest raised the LDS at 1 MiB from 0.08
     below the seeded default to above it (docs/build.md). Floors a budget of `columns` cannot hold are halved
     (both) until it can, with a warning."""
-    dense, output = DENSE_DIRECTIONS, output_floor(vocab, DENSE_DIRECTIONS)
-    wanted = dense, output
+    dense, output, each = DENSE_DIRECTIONS, output_floor(vocab, DENSE_DIRECTIONS), EXPERT_DIRECTIONS
+    wanted = dense, output, each
 
-    def rects(d: int, o: int) -> list[tuple[int, int]]:
+    def rects(d: int, o: int, x: int) -> list[tuple[int, int]]:
         out = []
         for (expert, head), w in zip(kinds, weights, strict=True):
-            r = 0 if expert else o if head else d
+            r = x if expert else o if head else d
             if head and r and OUTPUT_FLOOR_SHAPE == "area":
                 out.append(allocate([w], r * r)[0])
             else:
                 out.append((min(r, w.shape[0]), min(r, w.shape[1])))
         return out
 
-    floors = rects(dense, output)
+    floors = rects(dense, output, each)
     head = next((b for b, (_, is_head) in enumerate(kinds) if is_head), None)
     if head is not None and max(weights[head].shape) < vocab:  # the vocabulary side sketched
         kept = weights[head].shape
@@ -533,16 +537,16 @@ def fit_floors(
                 "(docs/build.md).",
                 stacklevel=3,
             )
-    while sum(r * c for r, c in floors) > columns and (dense or output):
-        dense, output = dense // 2, output // 2
-        floors = rects(dense, output)
-    if (dense, output) != wanted:
+    while sum(r * c for r, c in floors) > columns and (dense or output or each):
+        dense, output, each = dense // 2, output // 2, each // 2
+        floors = rects(dense, output, each)
+    if (dense, output, each) != wanted:
         need = sum(r * c for r, c in rects(*wanted))
         warnings.warn(
-            f"moe-attrib: the budget buys {columns} columns, fewer than the {need} that the dense blocks' floors of "
-            f"{wanted[0]} directions a side (output layer {wanted[1]}) take: floors lowered to {dense} (output "
-            f"layer {output}). Give a larger --budget (or --index_dtype bfloat16, twice the columns) for the floors "
-            "the LDS benchmark measured (docs/build.md).",
+            f"moe-attrib: the budget buys {columns} columns, fewer than the {need} that the floors of {wanted[0]} "
+            f"directions a side for dense blocks (output layer {wanted[1]}, experts {wanted[2]}) take: floors lowered "
+            f"to {dense} (output layer {output}, experts {each}). Give a larger --budget (or --index_dtype bfloat16, "
+            "twice the columns) for the floors the LDS benchmark measured (docs/build.md).",
             stacklevel=3,
         )
     return dense, output, floors
