@@ -137,7 +137,7 @@ def test_cli_balances_by_default_and_records_it(built, model_dir, tmp_path):  # 
         root, model_dir, tmp_path, ["--no-output_balance"], "output-layer balance: lm_head's vote"
     )
     assert outs["on"][1]["output_balance"] is True and outs["off"][1]["output_balance"] is False
-    assert np.abs(outs["on"][0] - outs["off"][0]).max() > 1e-3
+    assert np.abs(outs["on"][0] - outs["off"][0]).max() > 0.01 * np.abs(outs["off"][0]).max()  # changed, not noise
     assert res.returncode == 2 and "output-layer balance" in res.stderr
 
 

@@ -139,5 +139,5 @@ def test_cli_scores_with_the_coupling_and_records_it(built, model_dir, tmp_path)
     )
     assert outs["on"][1]["coupling"] == {"gamma": 30.0, "rank": 64, "sample": 512}
     assert outs["off"][1]["coupling"] is None
-    assert np.abs(outs["on"][0] - outs["off"][0]).max() > 1e-3
+    assert np.abs(outs["on"][0] - outs["off"][0]).max() > 0.01 * np.abs(outs["off"][0]).max()  # changed, not noise
     assert res.returncode == 2 and "cross-module coupling" in res.stderr

@@ -68,8 +68,8 @@ def test_settings_from_a_future_version_are_refused(what, tmp_path):
 
 def test_build_and_ekfac_write_what_0_1_0_wrote(tmp_path):
     """The same commands give the same rows, factors and manifest (only `settings_version` and `output_projection_dim`,
-    None, are new); `--damping 1.0`
-    is 0.1.0's default, named since the default became 0.01 (CHANGELOG.md)."""
+    None, are new); `--damping 1.0 --damping_scope model`
+    is 0.1.0's default, named since the default changed (CHANGELOG.md)."""
     import numpy as np
     from safetensors.numpy import load_file
 
@@ -77,7 +77,7 @@ def test_build_and_ekfac_write_what_0_1_0_wrote(tmp_path):
     common = ["tiny:mixtral", train, "--quiet", "--device", "cpu"]
     assert main(["build", *common, "--index", str(tmp_path / "index"), "--projection_dim", "4"]) == 0
     ekfac = ["ekfac", *common, "--out", str(tmp_path / "ekfac"), "--index", str(tmp_path / "index")]
-    assert main([*ekfac, "--damping", "1.0"]) == 0
+    assert main([*ekfac, "--damping", "1.0", "--damping_scope", "model"]) == 0
 
     def close(got, want, err_msg=""):
         # float32 rounding differs between CPUs (the kernels' vector widths and blocking): entries near 0 get an
