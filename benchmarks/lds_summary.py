@@ -134,6 +134,7 @@ DEFAULT_VARIANT = (  # the eigenbasis default's label there (the output floor's 
 )
 # the same label in session 18's files: the eigenbasis default then (experts' weight 1, damping 0.01 x model-wide)
 BEFORE_FILE = "issue32/lds-budget-{}-s18groups.json"
+BEFORE_VARIANTS = "issue32/score-variants-{}-s19.json"  # benchmarks/probes/score_variants.py: its "default" is it too
 SEEDED = "seeded p=32 (the default before)"
 BEFORE = "eigenbasis default before (experts x1, damping 0.01 x model)"
 EIGEN_COLUMNS = [
@@ -164,6 +165,9 @@ def eigen_per_query(name: str, results: Path) -> dict[str, np.ndarray]:
         earlier = json.loads(before.read_text())["variants"]
         out[BEFORE] = next(np.array(r["per_query"]) for label, r in earlier.items()
                            if re.sub(r"budget \d+ B ", "", label) == DEFAULT_VARIANT)  # fmt: skip
+    elif (results / BEFORE_VARIANTS.format(name)).exists():  # the configurations frozen after session 18
+        out[BEFORE] = np.array(json.loads((results / BEFORE_VARIANTS.format(name)).read_text())["variants"]["default"]
+                               ["per_query"])  # fmt: skip
     columns = ["attention alone", "experts alone", "routers alone", "`lm_head` alone"]
     for group, column in zip(lds.GROUPS, columns, strict=True):
         out[column] = got[f"{eig}, {group} alone"]
