@@ -509,8 +509,9 @@ def fit_floors(
     to the blocks with the largest eigenvalues and leaves the attention blocks and the output layer, which
     rank best, a handful of directions; giving each dense block its leading `r x r` first (there are few of
     them: 241 of 12,529 blocks on Qwen3-30B-A3B) and the experts the rest raised the LDS at 1 MiB from 0.08
-    below the seeded default to above it (docs/build.md). Floors a budget of `columns` cannot hold are halved
-    (both) until it can, with a warning."""
+    below the seeded default to above it (docs/build.md). Every expert block starts from its
+    leading pair (`EXPERT_DIRECTIONS`), so a tracked expert always has a part in the scores. Floors a budget of
+    `columns` cannot hold are halved (all three) until it can, with a warning."""
     dense, output, each = DENSE_DIRECTIONS, output_floor(vocab, DENSE_DIRECTIONS), EXPERT_DIRECTIONS
     wanted = dense, output, each
 
