@@ -60,15 +60,8 @@ def balance_weight(w: float):
     apply = Balance.apply
     if w != 1.0:
 
-        def weighted(self, whole, preconditioned):  # Balance.apply with the output term scaled by w
-            output = preconditioned.to(whole.device) * self.columns.to(whole.device)
-            if self.coupling is not None:
-                output = self.coupling.apply(output)
-            rows = self.rows.to(whole.device)
-            spread_whole = (whole @ rows.T).std(dim=1, keepdim=True).clamp_min(1e-30)
-            spread_output = (output @ rows.T).std(dim=1, keepdim=True).clamp_min(1e-30)
-            q = whole / spread_whole + w * output / spread_output
-            return q * (whole.norm(dim=1, keepdim=True) / q.norm(dim=1, keepdim=True).clamp_min(1e-30))
+        def weighted(self, whole, preconditioned):
+            return apply(self, whole, preconditioned, w)
 
         Balance.apply = weighted
     try:

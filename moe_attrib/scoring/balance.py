@@ -48,16 +48,17 @@ class Balance:
     rows: torch.Tensor
     settings: dict
 
-    def apply(self, whole: torch.Tensor, preconditioned: torch.Tensor) -> torch.Tensor:
+    def apply(self, whole: torch.Tensor, preconditioned: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         """Balanced query rows from the whole model's prepared rows `whole` (coupled, unit-normalised
-        as scored) and `preconditioned` (EK-FAC applied, nothing else), on `whole`'s device."""
+        as scored) and `preconditioned` (EK-FAC applied, nothing else), on `whole`'s device; `weight` scales
+        the output layer's unit-spread vote (1: an equal vote)."""
         output = preconditioned.to(whole.device) * self.columns.to(whole.device)
         if self.coupling is not None:
             output = self.coupling.apply(output)
         rows = self.rows.to(whole.device)
         spread_whole = (whole @ rows.T).std(dim=1, keepdim=True).clamp_min(1e-30)
         spread_output = (output @ rows.T).std(dim=1, keepdim=True).clamp_min(1e-30)
-        q = whole / spread_whole + output / spread_output
+        q = whole / spread_whole + weight * output / spread_output
         return q * (whole.norm(dim=1, keepdim=True) / q.norm(dim=1, keepdim=True).clamp_min(1e-30))
 
 
