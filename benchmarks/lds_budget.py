@@ -21,6 +21,7 @@ Reads the caches `lds.py` left (`lds.load_cached`); writes benchmarks/results/is
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -39,6 +40,7 @@ from lds_damping import mean_over  # noqa: E402
 import moe_attrib as ma  # noqa: E402
 from moe_attrib.curvature import eigenbasis  # noqa: E402
 from moe_attrib.curvature.eigenbasis import parse_bytes  # noqa: E402
+from moe_attrib.curvature.ekfac import DAMPING_SCOPES  # noqa: E402
 from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 from moe_attrib.model.discovery import iter_entries  # noqa: E402
 
@@ -66,7 +68,7 @@ def run(
     fractions: tuple[float, ...],
     core: bool = False,
     scaled: tuple = SCALED,
-    allocations: tuple[float, ...] = (eigenbasis.ALLOCATION_DAMPING,),
+    allocations: tuple[tuple[float, str], ...] = ((eigenbasis.ALLOCATION_DAMPING, eigenbasis.ALLOCATION_SCOPE),),
     output_widths: tuple[int | None, ...] = (None,),
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     dense: tuple[int, ...] = (0,),
@@ -80,8 +82,9 @@ def run(
 ) -> dict:
     """Every variant of configuration `name` (`core`: only the default, exact rows and the eigenbasis
     budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations). The scaled eigenbasis
-    budgets are measured for each allocation damping of `allocations` (x the model-wide mean Lambda,
-    `eigenbasis.ALLOCATION_DAMPING` while the index is planned) and each output-layer sketch width of
+    budgets are measured for each allocation damping and scope of `allocations` (x the mean Lambda over the
+    scope, `eigenbasis.ALLOCATION_DAMPING` and `ALLOCATION_SCOPE` while the index is planned) and each
+    output-layer sketch width of
     `output_widths` (the factors' `output_projection_dim`; None: the output layer sketched like every side)
     and each dense floor of `dense` (`eigenbasis.DENSE_DIRECTIONS`: r x r leading directions for every
     dense block before the greedy; the budget is then scaled per kind of block: the floors, plus each
@@ -118,11 +121,12 @@ def run(
             shape: str | None = None,
             alone=None,
             expert_weight: float | None = None,
+            scope: str | None = None,
             **build,
         ) -> None:
             t0 = time.perf_counter()
             path = Path(tmp) / f"index-{len(results)}"
-            with allocation_rule(floor, out_floor, allocation, shape, expert_weight):
+            with allocation_rule(floor, out_floor, allocation, shape, expert_weight, scope):
                 ma.build_index(model, examples, path, progress=False, **build)
             index = ma.load_index(path)
             q = ma.query_gradients(model, queries, index)
@@ -164,24 +168,26 @@ def run(
                 floors += [(r, ro, sh) for r in dense if r for ro in output_floors for sh in output_shapes]
                 for r, ro, shape in floors:
                     budget = scaled_budget(qwen3_bytes, dtype, r, ro, report, blocks, sketch, width, shape)
-                    for a in allocations:
+                    for a, a_scope in allocations:
                         label = f"eigenbasis, budget {budget} B (as {qwen3_bytes // 2**10} KiB on Qwen3-30B-A3B)"
                         label += f", {dtype}"
-                        label += "" if a == eigenbasis.ALLOCATION_DAMPING else f", allocation {a:g} x mean"
+                        same = (a, a_scope) == (eigenbasis.ALLOCATION_DAMPING, eigenbasis.ALLOCATION_SCOPE)
+                        label += "" if same else f", allocation {a:g} x {a_scope} mean"
                         label += "" if width is None else f", output sketch {width}"
                         label += "" if r == 0 else f", dense floor {r}"
                         label += "" if ro == 0 else f", output floor {floor_label(ro)}"
                         label += "" if shape in (None, "square") else f", {shape}"
-                        add(label, ek, allocation=a, floor=r, out_floor=ro, shape=shape,
+                        add(label, ek, allocation=a, scope=a_scope, floor=r, out_floor=ro, shape=shape,
                             alone=lds.groups(model) if groups else None, ekfac=ek, budget=budget,
                             index_dtype=dtype)  # fmt: skip
                         for ew in expert_weights:
-                            add(f"{label}, experts x{ew:g}", ek, allocation=a, floor=r, out_floor=ro, shape=shape,
-                                expert_weight=ew, ekfac=ek, budget=budget, index_dtype=dtype)  # fmt: skip
+                            add(f"{label}, experts x{ew:g}", ek, allocation=a, scope=a_scope, floor=r, out_floor=ro,
+                                shape=shape, expert_weight=ew, ekfac=ek, budget=budget, index_dtype=dtype)  # fmt: skip
                         if groups:
                             lone = ekfac(sketch, width, tracked=False)
-                            add(f"{label}, untracked", lone, allocation=a, floor=r, out_floor=ro, shape=shape,
-                                ekfac=lone, budget=budget, index_dtype=dtype, track_moe_experts=False)  # fmt: skip
+                            add(f"{label}, untracked", lone, allocation=a, scope=a_scope, floor=r, out_floor=ro,
+                                shape=shape, ekfac=lone, budget=budget, index_dtype=dtype,
+                                track_moe_experts=False)  # fmt: skip
         for width in output_widths if exact else ():
             label = "eigenbasis, budget 1 MiB (every direction here), bfloat16"
             label += "" if width is None else f", output sketch {width}"
@@ -199,21 +205,33 @@ def allocation_rule(
     allocation: float | None = None,
     shape: str | None = None,
     expert_weight: float | None = None,
+    scope: str | None = None,
 ):
     """The eigenbasis allocation with dense floor `floor`, output floor `out_floor` (`floor_rule`) and, if given,
     allocation damping `allocation`, output floor shape `shape` and the experts' direction weight
-    `eigenbasis.EXPERT_WEIGHT` in the greedy, while the block runs (the library's module settings, restored after)."""
+    `eigenbasis.EXPERT_WEIGHT` in the greedy and the allocation damping's scope `scope`, while the block runs (the
+    library's module settings, restored after)."""
     kept = (eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor,
-            eigenbasis.OUTPUT_FLOOR_SHAPE, eigenbasis.EXPERT_WEIGHT)  # fmt: skip
+            eigenbasis.OUTPUT_FLOOR_SHAPE, eigenbasis.EXPERT_WEIGHT, eigenbasis.ALLOCATION_SCOPE)  # fmt: skip
     eigenbasis.ALLOCATION_DAMPING = kept[0] if allocation is None else allocation
     eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor = floor, floor_rule(out_floor)
     eigenbasis.OUTPUT_FLOOR_SHAPE = kept[3] if shape is None else shape
     eigenbasis.EXPERT_WEIGHT = kept[4] if expert_weight is None else expert_weight
+    eigenbasis.ALLOCATION_SCOPE = kept[5] if scope is None else scope
     try:
         yield
     finally:
         (eigenbasis.ALLOCATION_DAMPING, eigenbasis.DENSE_DIRECTIONS, eigenbasis.output_floor,
-         eigenbasis.OUTPUT_FLOOR_SHAPE, eigenbasis.EXPERT_WEIGHT) = kept  # fmt: skip
+         eigenbasis.OUTPUT_FLOOR_SHAPE, eigenbasis.EXPERT_WEIGHT, eigenbasis.ALLOCATION_SCOPE) = kept  # fmt: skip
+
+
+def allocation_arg(text: str) -> tuple[float, str]:
+    """`--allocations` item: `A` (x the library's `ALLOCATION_SCOPE` mean) or `A:SCOPE` (model, module, expert)."""
+    a, _, scope = text.partition(":")
+    scope = scope or eigenbasis.ALLOCATION_SCOPE
+    if scope not in DAMPING_SCOPES:
+        raise argparse.ArgumentTypeError(f"{text!r}: the scope must be one of {', '.join(DAMPING_SCOPES)}")
+    return float(a), scope
 
 
 def floor_rule(out_floor: int):
@@ -412,8 +430,10 @@ def main() -> None:
     parser.add_argument("--core", action="store_true", help="only default, exact and the scaled eigenbasis budgets")
     parser.add_argument("--scaled", nargs="+", default=list(SCALED), help="Qwen3-30B-A3B budgets to scale from")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
-    parser.add_argument("--allocations", type=float, nargs="+", default=[eigenbasis.ALLOCATION_DAMPING],
-                        help="allocation dampings (x the model-wide mean Lambda) of the scaled budgets")  # fmt: skip
+    parser.add_argument("--allocations", type=allocation_arg, nargs="+",
+                        default=[(eigenbasis.ALLOCATION_DAMPING, eigenbasis.ALLOCATION_SCOPE)],
+                        help="allocation dampings of the scaled budgets: A (x the library's scope's mean Lambda) or "
+                        "A:SCOPE (model, module, expert)")  # fmt: skip
     parser.add_argument("--output_widths", type=int, nargs="+", default=[0],
                         help="the factors' output-layer sketch widths (0: as every side)")  # fmt: skip
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="dtypes of the scaled budgets")

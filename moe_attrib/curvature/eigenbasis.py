@@ -55,7 +55,8 @@ from moe_attrib.settings import DEFAULT_BUDGET, EIGENBASIS_OUTPUT_SKETCH, EIGENB
 EIGENBASIS = "ekfac-eigen-v1"  # recorded as settings["eigenbasis"]["kind"]
 BASIS_FILE = "eigenbasis.safetensors"
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-ALLOCATION_DAMPING = 1.0  # x the model-wide mean Lambda: how the budget is spent, whatever the factors' damping
+ALLOCATION_DAMPING = 1.0  # x the mean Lambda over ALLOCATION_SCOPE: how the budget is spent, whatever the damping
+ALLOCATION_SCOPE = "model"  # the mean the allocation's damping is relative to (EKFAC.with_damping's scopes)
 DENSE_DIRECTIONS = 32  # each dense (not expert) block starts with this many directions a side (`fit_floors`)
 EXPERT_DIRECTIONS = 1  # each expert block with this many (its leading pair): every tracked expert keeps a part
 OUTPUT_DIRECTIONS_MAX = 256  # the output layer's floor: its vocabulary / OUTPUT_VOCAB_FRACTION, within
@@ -416,7 +417,7 @@ def plan_eigenbasis(
             raise EigenbasisError(f"{e.block}: the factors do not keep its experts apart; fit them again.")
         names = [f"{lay.expert_name(i, e.proj)}.weight" for i in range(lay.num_experts)] if lay else [e.key]
         found.append((e.block, names, f))
-    allocation = ekfac.with_damping(ALLOCATION_DAMPING, "model").factors
+    allocation = ekfac.with_damping(ALLOCATION_DAMPING, ALLOCATION_SCOPE).factors
     weights = [w for block, _, _ in found for w in weights_of(allocation[block])]
     kinds = [(f.experts, block == report.output_layer) for block, names, f in found for _ in names]
     dense, output, floors = fit_floors(kinds, weights, columns, vocabulary(report))
