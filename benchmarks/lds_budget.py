@@ -43,6 +43,7 @@ from moe_attrib.curvature.eigenbasis import parse_bytes  # noqa: E402
 from moe_attrib.curvature.ekfac import DAMPING_SCOPES  # noqa: E402
 from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 from moe_attrib.model.discovery import iter_entries  # noqa: E402
+from moe_attrib.settings import EIGENBASIS_OUTPUT_SKETCH, EIGENBASIS_SKETCH  # noqa: E402
 
 PS = (8, 16, 32, 64, 128)
 FRACTIONS = (1 / 64, 1 / 16, 1 / 4)  # eigenbasis budgets, as fractions of the default index's bytes
@@ -277,6 +278,25 @@ def scaled_budget(
 def weight_blocks(report) -> int:
     """Weight blocks of an eigenbasis index of `report`'s targets (each expert's its own)."""
     return sum(e.layout.num_experts if e.layout else 1 for e in iter_entries(report.targets) if e.kind == "weight")
+
+
+def build_default_index(model, examples, directory, ekfac=None, qwen3_budget: str = "1MiB", **rule):
+    """Build the default eigenbasis index of `model` on `examples` at `directory`, as `lds_budget.py --core`
+    measures it: bfloat16 rows, `qwen3_budget` as it is spent on Qwen3-30B-A3B (`scaled_budget`), the library's
+    floors and output-floor shape, factors fitted at the eigenbasis sketches unless `ekfac` is given; `rule`
+    overrides `allocation_rule`'s other settings (`shape=`, `expert_weight=`, `allocation=`, `scope=`). Returns
+    the factors (to score with)."""
+    report = ma.discover(model, track_moe_experts=True, warn=False)
+    sketch, width = EIGENBASIS_SKETCH, EIGENBASIS_OUTPUT_SKETCH
+    if ekfac is None:
+        ekfac = ma.fit_ekfac(model, examples, projection_dim=sketch, output_projection_dim=width, progress=False)
+    floor, out_floor = eigenbasis.DENSE_DIRECTIONS, -eigenbasis.OUTPUT_VOCAB_FRACTION
+    shape = rule.pop("shape", eigenbasis.OUTPUT_FLOOR_SHAPE)
+    budget = scaled_budget(parse_bytes(qwen3_budget), "bfloat16", floor, out_floor, report, weight_blocks(report),
+                           sketch, width, shape)  # fmt: skip
+    with allocation_rule(floor, out_floor, shape=shape, **rule):
+        ma.build_index(model, examples, directory, progress=False, ekfac=ekfac, budget=budget, index_dtype="bfloat16")
+    return ekfac
 
 
 def summarise(name: str, cached, results: dict) -> dict:

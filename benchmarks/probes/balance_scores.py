@@ -22,9 +22,6 @@ import lds  # noqa: E402
 import lds_budget  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib import settings  # noqa: E402
-from moe_attrib.curvature import eigenbasis  # noqa: E402
-from moe_attrib.curvature.eigenbasis import parse_bytes  # noqa: E402
 from moe_attrib.scoring.balance import Balance  # noqa: E402
 
 
@@ -44,28 +41,15 @@ def main() -> None:
     torch.set_num_threads(2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    width, sketch, dtype = settings.EIGENBASIS_OUTPUT_SKETCH, 128, "bfloat16"
     for name in args.configs:
         cached = lds.load_cached(name, Path(args.cache))
         model = cached.model()
-        report = ma.discover(model, track_moe_experts=True, warn=False)
-        if args.seeded:
-            ek = ma.fit_ekfac(model, cached.examples, projection_dim=32, progress=False)
-        else:
-            ek = ma.fit_ekfac(
-                model, cached.examples, projection_dim=sketch, output_projection_dim=width, progress=False
-            )
-        floor, out_floor = eigenbasis.DENSE_DIRECTIONS, -eigenbasis.OUTPUT_VOCAB_FRACTION
-        budget = lds_budget.scaled_budget(parse_bytes("1MiB"), dtype, floor, out_floor, report,
-                                          lds_budget.weight_blocks(report), sketch, width, "area")  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
-            with lds_budget.allocation_rule(floor, out_floor, shape="area"):
-                if args.seeded:
-                    ma.build_index(model, cached.examples, tmp, progress=False, projection_dim=32)
-                else:
-                    ma.build_index(
-                        model, cached.examples, tmp, progress=False, ekfac=ek, budget=budget, index_dtype=dtype
-                    )
+            if args.seeded:
+                ek = ma.fit_ekfac(model, cached.examples, projection_dim=32, progress=False)
+                ma.build_index(model, cached.examples, tmp, progress=False, projection_dim=32)
+            else:
+                ek = lds_budget.build_default_index(model, cached.examples, tmp, shape="area")
             index = ma.load_index(tmp)
             q = ma.query_gradients(model, cached.queries, index)
             how = {"balanced": {}, "unbalanced": {"balance": None}, "outpart": {}}

@@ -20,9 +20,6 @@ import lds  # noqa: E402
 import lds_budget  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib import settings  # noqa: E402
-from moe_attrib.curvature import eigenbasis  # noqa: E402
-from moe_attrib.curvature.eigenbasis import parse_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -32,16 +29,9 @@ def main() -> None:
     for name in args.configs:
         c = lds.load_cached(name, Path(args.cache))
         model = c.model()
-        report = ma.discover(model, track_moe_experts=True, warn=False)
-        width = settings.EIGENBASIS_OUTPUT_SKETCH
-        ek = ma.fit_ekfac(model, c.examples, projection_dim=128, output_projection_dim=width, progress=False)
-        floor, of = eigenbasis.DENSE_DIRECTIONS, -eigenbasis.OUTPUT_VOCAB_FRACTION
-        budget = lds_budget.scaled_budget(parse_bytes("1MiB"), "bfloat16", floor, of, report,
-                                          lds_budget.weight_blocks(report), 128, width, "area")  # fmt: skip
         exact = ma.fit_ekfac(model, c.examples, projection_dim=None, progress=False)
         with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as tmpx:
-            with lds_budget.allocation_rule(floor, of, shape="area"):
-                ma.build_index(model, c.examples, tmp, progress=False, ekfac=ek, budget=budget, index_dtype="bfloat16")
+            ek = lds_budget.build_default_index(model, c.examples, tmp, shape="area")
             ma.build_index(model, c.examples, tmpx, progress=False, projection_dim=None)
             for label, path, factors in (("eigenbasis", tmp, ek), ("exact", tmpx, exact)):
                 index = ma.load_index(path)

@@ -30,9 +30,6 @@ import lds_budget  # noqa: E402
 from lds_damping import mean_over  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib import settings  # noqa: E402
-from moe_attrib.curvature import eigenbasis  # noqa: E402
-from moe_attrib.curvature.eigenbasis import parse_bytes  # noqa: E402
 from moe_attrib.scoring.balance import Balance  # noqa: E402
 
 OUT = lds.ROOT / "benchmarks" / "results" / "issue32"
@@ -93,17 +90,11 @@ def run_seeded(name: str, cache: Path) -> dict:
 def run(name: str, cache: Path, expert_weight: float | None) -> dict:
     cached = lds.load_cached(name, cache)
     model = cached.model()
-    report = ma.discover(model, track_moe_experts=True, warn=False)
-    width, sketch, dtype = settings.EIGENBASIS_OUTPUT_SKETCH, 128, "bfloat16"
-    ek = ma.fit_ekfac(model, cached.examples, projection_dim=sketch, output_projection_dim=width, progress=False)
-    floor, out_floor = eigenbasis.DENSE_DIRECTIONS, -eigenbasis.OUTPUT_VOCAB_FRACTION
-    budget = lds_budget.scaled_budget(parse_bytes("1MiB"), dtype, floor, out_floor, report,
-                                      lds_budget.weight_blocks(report), sketch, width, "area")  # fmt: skip
+    ek = None
     results = {}
     for ew in (1.0,) if expert_weight is None else (1.0, expert_weight):
         with tempfile.TemporaryDirectory() as tmp:
-            with lds_budget.allocation_rule(floor, out_floor, shape="area", expert_weight=ew):
-                ma.build_index(model, cached.examples, tmp, progress=False, ekfac=ek, budget=budget, index_dtype=dtype)
+            ek = lds_budget.build_default_index(model, cached.examples, tmp, ekfac=ek, shape="area", expert_weight=ew)
             index = ma.load_index(tmp)
             q = ma.query_gradients(model, cached.queries, index)
             for label, (kw, w) in VARIANTS.items():
