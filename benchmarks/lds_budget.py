@@ -357,21 +357,34 @@ def output_floor_label(label: str) -> str | None:
     return m and f"{'area' if m[2] else 'square'}, sketch {m[1]}"
 
 
-def output_floor_tables(names: list[str], tag: str, sets: list[tuple[str, list[str]]]) -> None:
-    """The output floor's shapes and sketch widths (`--output_shapes square area --output_widths 512 1024 2048`
-    under `tag`): per configuration each candidate's bytes per example and LDS with the paired CI against the
-    square floor at sketch 512 (the default before), then the means over each set of `sets` (docs/build.md)."""
+def allocation_label(label: str) -> str | None:
+    """`"<a> x <scope>, <shape>"` of a scaled eigenbasis variant with the library's floors at sketch 1024
+    (`--allocations`, `--output_shapes`); the allocation left out of a label is the library's."""
+    pattern = (
+        r"(, allocation ([0-9.e-]+) x (\w+) mean)?, output sketch 1024, dense floor 32, "
+        r"output floor V/8 in \[dense, 256\](, area)?"
+    )
+    m = re.fullmatch(re.escape(AS_1MIB) + pattern, re.sub(r"budget \d+ B ", "", label))
+    if not m:
+        return None
+    a, scope = (m[2], m[3]) if m[1] else (f"{eigenbasis.ALLOCATION_DAMPING:g}", eigenbasis.ALLOCATION_SCOPE)
+    return f"{a} x {scope}, {'area' if m[4] else 'square'}"
+
+
+def candidate_tables(names: list[str], tag: str, sets: list[tuple[str, list[str]]], label_of, base: str) -> None:
+    """The candidates of the result files of `tag`, named by `label_of` (None: not a candidate): per configuration
+    each candidate's bytes per example and LDS with the paired CI against `base`, then the means over each set of
+    `sets` (docs/build.md)."""
     from lds_damping import mean_over
 
-    base = "square, sketch 512"
     per_config, rows = {}, {}
     for name in names:
         path = OUT / f"lds-budget-{name}{tag}.json"
         if path.exists():
-            got = {output_floor_label(k): r for k, r in json.loads(path.read_text())["variants"].items()}
+            got = {label_of(k): r for k, r in json.loads(path.read_text())["variants"].items()}
             rows[name] = {k: r for k, r in got.items() if k}
             per_config[name] = {k: np.array(r["per_query"]) for k, r in rows[name].items()}
-    labels = sorted({k for r in rows.values() for k in r}, key=lambda k: (k.split(",")[0] != "square", len(k), k))
+    labels = sorted({k for r in rows.values() for k in r}, key=lambda k: (k != base, len(k), k))
     print("| configuration | " + " | ".join(labels) + " |\n" + "|---" * (1 + len(labels)) + "|")
     for name, got in rows.items():
         cells = []
@@ -483,11 +496,21 @@ def main() -> None:
     parser.add_argument("--summary", nargs="+", default=None, metavar="TAG", help="means over configs of these tags")
     parser.add_argument("--output_floor_tables", default=None, metavar="TAG",
                         help="the output floor's shapes and widths measured under TAG, as tables")  # fmt: skip
+    parser.add_argument("--allocation_tables", default=None, metavar="TAG",
+                        help="the allocation dampings, scopes and output-floor shapes measured under TAG (session 20's "
+                        "rule, benchmarks/heldout.json heldout_s20), as tables")  # fmt: skip
     args = parser.parse_args()
+    seen = [*lds.TUNING, *lds.HELDOUT, *lds.HELDOUT_HEAD, *lds.HELDOUT_NEXT]
     if args.output_floor_tables is not None:
-        seen = [*lds.TUNING, *lds.HELDOUT, *lds.HELDOUT_HEAD, *lds.HELDOUT_NEXT]
         sets = [("the thirteen measured before", seen), ("HELDOUT_S18", list(lds.HELDOUT_S18))]
-        output_floor_tables(args.configs, "-" + args.output_floor_tables.lstrip("-"), sets)
+        candidate_tables(args.configs, "-" + args.output_floor_tables.lstrip("-"), sets,
+                         output_floor_label, "square, sketch 512")  # fmt: skip
+        return
+    if args.allocation_tables is not None:
+        seen += [*lds.HELDOUT_S18, *lds.HELDOUT_S19]
+        sets = [("the seventeen measured before", seen), ("HELDOUT_S20", list(lds.HELDOUT_S20))]
+        tag = "-" + args.allocation_tables.lstrip("-")
+        candidate_tables(args.configs, tag, sets, allocation_label, "1 x model, area")
         return
     if args.summary is not None:
         tags = [t if t.startswith("-") or not t else f"-{t}" for t in args.summary]
