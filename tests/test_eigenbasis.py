@@ -257,9 +257,9 @@ def test_output_floor_area_is_shaped_by_the_greedy(monkeypatch):
     w = torch.tensor([[1.0, 0.9, 0.8, 0.7], [0.3, 0.2, 0.1, 0.1]])
     dense = torch.ones(3, 3)
     assert eigenbasis.OUTPUT_FLOOR_SHAPE == "area"
-    assert fit_floors([(False, False), (False, True)], [dense, w], 100, vocab=16) == (2, 2, [(2, 2), (1, 4)])
+    assert fit_floors([(False, False), (False, True)], [dense, w], 100, vocab=16) == (2, 2, 1, [(2, 2), (1, 4)])
     monkeypatch.setattr(eigenbasis, "OUTPUT_FLOOR_SHAPE", "square")
-    assert fit_floors([(False, False), (False, True)], [dense, w], 100, vocab=16) == (2, 2, [(2, 2), (2, 2)])
+    assert fit_floors([(False, False), (False, True)], [dense, w], 100, vocab=16) == (2, 2, 1, [(2, 2), (2, 2)])
 
 
 def test_plan_floors(monkeypatch):
@@ -291,11 +291,12 @@ def test_plan_floors(monkeypatch):
     shapes = [s for t in plan.targets for s in t.shapes]
     assert shapes == allocate(weights, budget // 4, rects)
     assert all(s[0] >= r[0] and s[1] >= r[1] for s, r in zip(shapes, rects, strict=True))
-    assert plan.floors == (4, 16) and plan.settings(budget, "x")["floors"] == {"dense": 4, "output": 16}
+    assert plan.floors == (4, 16, 1)
+    assert plan.settings(budget, "x")["floors"] == {"dense": 4, "output": 16, "experts": 1}
     assert eigenbasis.plan_floors(report, 8, 8).columns == floor_cells  # planned from the shapes alone
     with pytest.warns(UserWarning, match="floors lowered to 2 .output layer 8."):
         small = plan_eigenbasis(report, ek, 4 * (floor_cells - 1))
-    assert small.floors == (2, 8)
+    assert small.floors == (2, 8, 0)
     assert sum(kr * kc for t in small.targets for kr, kc in t.shapes) <= floor_cells - 1
 
 

@@ -274,7 +274,7 @@ class EigenPlan:
         self.target_dims = dict(target_dims or {})  # targets the factors sketched at their own dimension
         self.seed = seed
         self.projection = projection
-        self.floors = (0, 0)  # the dense and output-layer floors the plan was allocated with (`fit_floors`)
+        self.floors = (0, 0, 0)  # the dense, output-layer and expert floors the plan was allocated with (`fit_floors`)
         self._by_block = {t.block: t for t in targets}
         self._mats: dict[tuple, torch.Tensor] = {}
         self._take: dict[tuple, torch.Tensor] = {}
@@ -367,7 +367,13 @@ class EigenPlan:
             "kind": EIGENBASIS,
             "budget_bytes": budget,
             "factors_fingerprint": fingerprint,
-            "floors": {"dense": self.floors[0], "output": self.floors[1]},
+            "floors": dict(zip(("dense", "output", "experts"), self.floors, strict=True)),
+            "allocation": {
+                "damping": ALLOCATION_DAMPING,
+                "damping_scope": ALLOCATION_SCOPE,
+                "expert_weight": EXPERT_WEIGHT,
+                "output_floor_shape": OUTPUT_FLOOR_SHAPE,
+            },
             "targets": {t.block: [t.transposed, t.bias, [list(s) for s in t.shapes]] for t in self.targets},
         }
 
@@ -420,7 +426,7 @@ def plan_eigenbasis(
     allocation = ekfac.with_damping(ALLOCATION_DAMPING, ALLOCATION_SCOPE).factors
     weights = [w for block, _, _ in found for w in weights_of(allocation[block])]
     kinds = [(f.experts, block == report.output_layer) for block, names, f in found for _ in names]
-    dense, output, floors = fit_floors(kinds, weights, columns, vocabulary(report))
+    dense, output, each, floors = fit_floors(kinds, weights, columns, vocabulary(report))
     shapes = allocate(weights, columns, floors)
     targets, at = [], 0
     for block, names, f in found:
@@ -434,7 +440,7 @@ def plan_eigenbasis(
         q_out = torch.gather(f.QG.detach().cpu(), -1, _expand(order_out[..., :k_out], f.QG))
         targets.append(EigenTarget(block, names, f.transposed, f.bias, mine, q_in, q_out))
     plan = EigenPlan(targets, ekfac.projection_dim, ekfac.seed, ekfac.projection, ekfac.target_dims(report))
-    plan.floors = (dense, output)
+    plan.floors = (dense, output, each)
     return plan
 
 
@@ -501,8 +507,9 @@ def output_floor(vocab: int, dense: int) -> int:
 
 def fit_floors(
     kinds: list[tuple[bool, bool]], weights: list[torch.Tensor], columns: int, vocab: int = 0
-) -> tuple[int, int, list[tuple[int, int]]]:
-    """The dense and output floors (`DENSE_DIRECTIONS`, `output_floor`) and each block's floor rectangle, for
+) -> tuple[int, int, int, list[tuple[int, int]]]:
+    """The dense, output and expert floors (`DENSE_DIRECTIONS`, `output_floor`, `EXPERT_DIRECTIONS`) and each
+    block's floor rectangle, for
     blocks of `kinds` (`(expert, output layer)` each, in plan order) whose direction weights are `weights`, the
     output layer having `vocab` words.
 
@@ -551,7 +558,7 @@ def fit_floors(
             "twice the columns) for the floors the LDS benchmark measured (docs/build.md).",
             stacklevel=3,
         )
-    return dense, output, floors
+    return dense, output, each, floors
 
 
 def _expand(order: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
