@@ -26,8 +26,8 @@ greedily (`allocate`): a block grows by one
 row or one column of directions at a time, whichever adds the most `Lambda / (Lambda + d)` (the share
 of a direction in the effective dimension of the damped curvature; an expert's counted `EXPERT_WEIGHT`
 as much) per stored column, `d` being
-`ALLOCATION_DAMPING` x the model-wide mean of `Lambda` whatever damping the factors carry: the
-allocation measured on the LDS benchmark (docs/build.md) does not move with the scoring damping.
+`ALLOCATION_DAMPING` x the mean of `Lambda` over `ALLOCATION_SCOPE` (the model) whatever damping the factors
+carry: the allocation measured on the LDS benchmark (docs/build.md) does not move with the scoring damping.
 The kept eigenvectors are written next to the index (`eigenbasis.safetensors`) so queries are
 collected with the index alone; the factors' fingerprint is recorded in the index settings and
 scoring refuses other factors (`check_factors`).
