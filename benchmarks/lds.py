@@ -219,6 +219,23 @@ CONFIGS = {
         models=48,
         seed=15,
     ),
+    # held out again (session 20, HELDOUT_S20B in benchmarks/heldout.json): frozen before the output floor's "fill"
+    # shape was measured; deepseek_v2 (multi-head latent attention, a shared expert) on prompt/completion rows and
+    # gpt_oss on plain text, both with output layers wider than the floor on both sides (where its shape matters)
+    "heldout-dsv2": Config(
+        family="deepseek_v2", layers=2, experts=8, people=48, arithmetic=80, sequences=96, models=48, seed=16
+    ),
+    "heldout-oss-text": Config(
+        family="gpt_oss",
+        layers=3,
+        experts=12,
+        people=48,
+        arithmetic=80,
+        sequences=96,
+        plain_text=True,
+        models=48,
+        seed=17,
+    ),
     "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
     "gpu": Config(
         hidden=256,
@@ -250,6 +267,8 @@ HELDOUT_S19 = ("heldout-glm", "heldout-hunyuan")
 # frozen in session 20 before anything was trained or measured on them: for the allocation's damping scope and the
 # output floor's shape
 HELDOUT_S20 = ("heldout-dots", "heldout-flex")
+# frozen in session 20 before anything was trained or measured on them: for the output floor's "fill" shape
+HELDOUT_S20B = ("heldout-dsv2", "heldout-oss-text")
 # the configurations every default is chosen over (the mean with a paired CI), and the held-out ones
 TUNING = ("cpu", "cpu-gpt_oss", "cpu-shared", "cpu-deep", "text-plain", "text-pydoc", "text-deep")
 
