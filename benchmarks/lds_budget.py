@@ -362,13 +362,13 @@ def allocation_label(label: str) -> str | None:
     (`--allocations`, `--output_shapes`); the allocation left out of a label is the library's."""
     pattern = (
         r"(, allocation ([0-9.e-]+) x (\w+) mean)?, output sketch 1024, dense floor 32, "
-        r"output floor V/8 in \[dense, 256\](, area)?"
+        r"output floor V/8 in \[dense, 256\](, (area|fill))?"
     )
     m = re.fullmatch(re.escape(AS_1MIB) + pattern, re.sub(r"budget \d+ B ", "", label))
     if not m:
         return None
     a, scope = (m[2], m[3]) if m[1] else (f"{eigenbasis.ALLOCATION_DAMPING:g}", eigenbasis.ALLOCATION_SCOPE)
-    return f"{a} x {scope}, {'area' if m[4] else 'square'}"
+    return f"{a} x {scope}, {m[5] or 'square'}"
 
 
 def candidate_tables(names: list[str], tag: str, sets: list[tuple[str, list[str]]], label_of, base: str) -> None:

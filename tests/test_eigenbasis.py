@@ -262,6 +262,23 @@ def test_output_floor_area_is_shaped_by_the_greedy(monkeypatch):
     assert fit_floors([(False, False), (False, True)], [dense, w], 100, vocab=16) == (2, 2, 1, [(2, 2), (2, 2)])
 
 
+def test_output_floor_fill_shape(monkeypatch):
+    """The "fill" shape: the output floor's r * r cells as the r x r square where the block holds r on both sides,
+    else the short side whole and the long side filled to r * r cells. By hand, r = 4 (32 words / 8): a 6 x 5
+    block keeps 4 x 4; 2 x 40 keeps 2 x 8 (16 cells); 40 x 2 keeps 8 x 2; 3 x 5 keeps 3 x 5 (16 // 3 = 5, the
+    whole block)."""
+    assert eigenbasis.filled(4, 6, 5) == (4, 4)
+    assert eigenbasis.filled(4, 2, 40) == (2, 8)
+    assert eigenbasis.filled(4, 40, 2) == (8, 2)
+    assert eigenbasis.filled(4, 3, 5) == (3, 5)
+    monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 2)
+    monkeypatch.setattr(eigenbasis, "OUTPUT_FLOOR_SHAPE", "fill")
+    dense, head = torch.ones(3, 3), torch.rand(2, 40)
+    assert fit_floors([(False, False), (False, True)], [dense, head], 100, vocab=32) == (2, 4, 1, [(2, 2), (2, 8)])
+    head = torch.rand(6, 5)
+    assert fit_floors([(False, False), (False, True)], [dense, head], 100, vocab=32) == (2, 4, 1, [(2, 2), (4, 4)])
+
+
 def test_plan_floors(monkeypatch):
     """Every dense block starts from its leading `r x r` directions and the output layer from
     clamp(vocabulary / 8, r, 256) (clipped to the factors' sides), the experts from none; the greedy spends

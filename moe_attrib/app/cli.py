@@ -99,11 +99,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             rest = f"; the greedy spends the rest, at most {each:.1f} columns an expert block on average"
         else:
             rest = "; the greedy spends the rest"
-        head = (
-            f"the output layer's {fl.output * fl.output} cells ({fl.output} x {fl.output}, shaped by its eigenvalues)"
-            if OUTPUT_FLOOR_SHAPE == "area"
-            else f"the output layer at {fl.output}"
-        )
+        cells = fl.output * fl.output
+        head = {
+            "area": f"the output layer's {cells} cells ({fl.output} x {fl.output}, shaped by its eigenvalues)",
+            "fill": f"the output layer's {cells} cells ({fl.output} x {fl.output}, or its short side whole)",
+        }.get(OUTPUT_FLOOR_SHAPE, f"the output layer at {fl.output}")
         experts = f", {fl.expert_blocks} expert blocks at {EXPERT_DIRECTIONS}" if fl.expert_blocks else ""
         print(f"eigenbasis floors: {fl.columns} columns ({fl.dense_blocks} dense blocks at {fl.dense} directions a "
               f"side, {head}{experts}){rest}")  # fmt: skip

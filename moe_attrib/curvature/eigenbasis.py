@@ -61,8 +61,10 @@ DENSE_DIRECTIONS = 32  # each dense (not expert) block starts with this many dir
 EXPERT_DIRECTIONS = 1  # each expert block with this many (its leading pair): every tracked expert keeps a part
 OUTPUT_DIRECTIONS_MAX = 256  # the output layer's floor: its vocabulary / OUTPUT_VOCAB_FRACTION, within
 OUTPUT_VOCAB_FRACTION = 8  # [DENSE_DIRECTIONS, OUTPUT_DIRECTIONS_MAX] (`output_floor`)
-OUTPUT_FLOOR_SHAPES = ("square", "area")
-OUTPUT_FLOOR_SHAPE = "area"  # r * r cells shaped by `allocate` (`fit_floors`), or the r x r rectangle ("square")
+OUTPUT_FLOOR_SHAPES = ("square", "area", "fill")
+# r * r cells shaped by `allocate` ("area"), the r x r rectangle ("square"), or the square where the block holds it,
+# else the short side whole and the long side filled to r * r cells ("fill", `filled`)
+OUTPUT_FLOOR_SHAPE = "area"
 EXPERT_WEIGHT = 0.25  # an expert's directions count this much in the greedy (docs/build.md: The experts' weight)
 COLLECT_MULTIPLE = 8  # collected sides padded with zero directions to a multiple of this: grouped_mm needs
 # 16-byte strides (8 bfloat16 values), else the collector falls back to one matmul per expert (4.6x slower build)
@@ -485,6 +487,10 @@ def plan_floors(
         if name == report.output_layer and OUTPUT_FLOOR_SHAPE == "area":
             cells += min(out * out, a * g)  # at most: the greedy may stop a row or column short
             continue
+        if name == report.output_layer and OUTPUT_FLOOR_SHAPE == "fill":
+            kr, kc = filled(out, a, g)
+            cells += kr * kc
+            continue
         r = out if name == report.output_layer else DENSE_DIRECTIONS
         cells += min(r, a) * min(r, g)
     return FloorPlan(dense_blocks, expert_blocks, DENSE_DIRECTIONS, out, cells, directions)
@@ -503,6 +509,16 @@ def output_floor(vocab: int, dense: int) -> int:
     if dense == 0:
         return 0
     return min(OUTPUT_DIRECTIONS_MAX, max(dense, vocab // OUTPUT_VOCAB_FRACTION))
+
+
+def filled(r: int, rows: int, cols: int) -> tuple[int, int]:
+    """The "fill" shape of `r * r` cells in a `rows x cols` block: `r x r` where both sides hold `r`, else the short
+    side whole and the long side filled to at most `r * r` cells (and at most the block)."""
+    if rows >= r and cols >= r:
+        return r, r
+    if rows <= cols:
+        return rows, min(cols, r * r // max(rows, 1))
+    return min(rows, r * r // max(cols, 1)), cols
 
 
 def fit_floors(
@@ -529,6 +545,8 @@ def fit_floors(
             r = x if expert else o if head else d
             if head and r and OUTPUT_FLOOR_SHAPE == "area":
                 out.append(allocate([w], r * r)[0])
+            elif head and r and OUTPUT_FLOOR_SHAPE == "fill":
+                out.append(filled(r, *w.shape))
             else:
                 out.append((min(r, w.shape[0]), min(r, w.shape[1])))
         return out
@@ -537,7 +555,7 @@ def fit_floors(
     head = next((b for b, (_, is_head) in enumerate(kinds) if is_head), None)
     if head is not None and max(weights[head].shape) < vocab:  # the vocabulary side sketched
         kept = weights[head].shape
-        short = kept[0] * kept[1] < output * output if OUTPUT_FLOOR_SHAPE == "area" else max(kept) < output
+        short = kept[0] * kept[1] < output * output if OUTPUT_FLOOR_SHAPE != "square" else max(kept) < output
         if short:
             warnings.warn(
                 f"moe-attrib: the factors keep {tuple(kept)} directions of the output layer, fewer than its floor "
