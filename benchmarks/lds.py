@@ -326,10 +326,10 @@ def make_model(cfg: Config, vocab: int, device: str):
         moe_intermediate_size=cfg.moe_intermediate,
         **sizes,
         num_attention_heads=cfg.heads,
-        # multi-head latent attention (deepseek_v3): the zoo's head dimensions and key/value heads
+        # multi-head latent attention (deepseek_v2, deepseek_v3): the zoo's head dimensions and key/value heads
         **(
             {}
-            if cfg.family == "deepseek_v3"
+            if cfg.family in ("deepseek_v2", "deepseek_v3")
             else {"num_key_value_heads": cfg.heads // 2, "head_dim": cfg.hidden // cfg.heads}
         ),
     ).to(device)
