@@ -499,12 +499,21 @@ def main() -> None:
     parser.add_argument("--allocation_tables", default=None, metavar="TAG",
                         help="the allocation dampings, scopes and output-floor shapes measured under TAG (session 20's "
                         "rule, benchmarks/heldout.json heldout_s20), as tables")  # fmt: skip
+    parser.add_argument("--fill_tables", default=None, metavar="TAG",
+                        help="the output floor's 'fill' shape against the default measured under TAG "
+                        "(heldout_s20b)")  # fmt: skip
     args = parser.parse_args()
     seen = [*lds.TUNING, *lds.HELDOUT, *lds.HELDOUT_HEAD, *lds.HELDOUT_NEXT]
     if args.output_floor_tables is not None:
         sets = [("the thirteen measured before", seen), ("HELDOUT_S18", list(lds.HELDOUT_S18))]
         candidate_tables(args.configs, "-" + args.output_floor_tables.lstrip("-"), sets,
                          output_floor_label, "square, sketch 512")  # fmt: skip
+        return
+    if args.fill_tables is not None:
+        seen += [*lds.HELDOUT_S18, *lds.HELDOUT_S19, *lds.HELDOUT_S20]
+        sets = [("the nineteen measured before", seen), ("HELDOUT_S20B", list(lds.HELDOUT_S20B))]
+        tag = "-" + args.fill_tables.lstrip("-")
+        candidate_tables(args.configs, tag, sets, allocation_label, "1 x model, area")
         return
     if args.allocation_tables is not None:
         seen += [*lds.HELDOUT_S18, *lds.HELDOUT_S19]

@@ -9,7 +9,7 @@ damping), so the only difference between rows is what `m` numbers per example ke
 - `exact`: every cell, preconditioned (checked against `score_matrix(..., modules=<output layer>)`);
 - `leading m`: the output floor's cells in the shape the allocation's greedy gives them (`eigenbasis.allocate`
   on the layer's direction weights, as `fit_floors` shapes the default's floor), m = the floor's cells;
-- `sketch m`: a seeded Gaussian sketch to m numbers of the preconditioned rotated gradient
+- `sketch m`: a seeded count sketch to m numbers of the preconditioned rotated gradient
   `(Lambda + d)^-1/2 Q^T G Q` (its inner products estimate the preconditioned scores);
 - `leading m, square`: the r x r leading cells (the square floor);
 - `leading m/2 + sketch m/2`: the leading half exactly, the other directions sketched.
@@ -35,9 +35,12 @@ from moe_attrib.curvature import eigenbasis  # noqa: E402
 
 
 def sketch(x: torch.Tensor, m: int, seed: int) -> torch.Tensor:
-    """`x` `[N, cells]` times a seeded Gaussian `[cells, m] / sqrt(m)`."""
+    """`x` `[N, cells]` count-sketched to `m` numbers (each cell added, with a seeded random sign, to one of `m`
+    seeded buckets: inner products are unbiased, memory is O(cells) for a 2.6k-word output layer too)."""
     g = torch.Generator().manual_seed(seed)
-    return x @ (torch.randn(x.shape[1], m, generator=g, dtype=x.dtype) / m**0.5)
+    bucket = torch.randint(0, m, (x.shape[1],), generator=g)
+    sign = torch.randint(0, 2, (x.shape[1],), generator=g, dtype=x.dtype) * 2 - 1
+    return torch.zeros(x.shape[0], m, dtype=x.dtype).index_add_(1, bucket, x * sign)
 
 
 def variants(qr: torch.Tensor, tr: torch.Tensor, keep: torch.Tensor, square: torch.Tensor, m: int) -> dict:
