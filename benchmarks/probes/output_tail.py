@@ -7,9 +7,10 @@ is"). This scores the output layer alone from its exact per-example gradients an
 damping), so the only difference between rows is what `m` numbers per example keep:
 
 - `exact`: every cell, preconditioned (checked against `score_matrix(..., modules=<output layer>)`);
-- `leading m`: the output floor's cells in the shape the allocation's greedy gives them (`eigenbasis.allocate`
-  on the layer's direction weights, as `fit_floors` shapes the default's floor), m = the floor's cells;
-- `sketch m`: a seeded count sketch to m numbers of the preconditioned rotated gradient
+- `leading m, greedy-shaped`: the output floor's cells in the shape the allocation's greedy gives them
+  (`eigenbasis.allocate` on the layer's direction weights, as `fit_floors` shaped the floor under "area"), m = the
+  floor's cells;
+- `sketch m`: a seeded Gaussian sketch to m numbers of the preconditioned rotated gradient
   `(Lambda + d)^-1/2 Q^T G Q` (its inner products estimate the preconditioned scores);
 - `leading m, square`: the r x r leading cells (the square floor);
 - `leading m/2 + sketch m/2`: the leading half exactly, the other directions sketched.
@@ -35,12 +36,12 @@ from moe_attrib.curvature import eigenbasis  # noqa: E402
 
 
 def sketch(x: torch.Tensor, m: int, seed: int) -> torch.Tensor:
-    """`x` `[N, cells]` count-sketched to `m` numbers (each cell added, with a seeded random sign, to one of `m`
-    seeded buckets: inner products are unbiased, memory is O(cells) for a 2.6k-word output layer too)."""
+    """`x` `[N, cells]` times a seeded Gaussian `[cells, m] / sqrt(m)`."""
     g = torch.Generator().manual_seed(seed)
-    bucket = torch.randint(0, m, (x.shape[1],), generator=g)
-    sign = torch.randint(0, 2, (x.shape[1],), generator=g, dtype=x.dtype) * 2 - 1
-    return torch.zeros(x.shape[0], m, dtype=x.dtype).index_add_(1, bucket, x * sign)
+    return x @ (torch.randn(x.shape[1], m, generator=g, dtype=x.dtype) / m**0.5)
+
+
+SKETCH_MAX = 2 * 10**8  # cells x m of the Gaussian sketch formed at most (a larger output layer: no sketch rows)
 
 
 def variants(qr: torch.Tensor, tr: torch.Tensor, keep: torch.Tensor, square: torch.Tensor, m: int) -> dict:
@@ -51,8 +52,10 @@ def variants(qr: torch.Tensor, tr: torch.Tensor, keep: torch.Tensor, square: tor
     half = keep[: m // 2]
     rest[half] = False
     both = torch.cat([qr, tr])
-    out = {"exact": (qr, tr), f"leading {m}": (qr[:, keep], tr[:, keep])}
+    out = {"exact": (qr, tr), f"leading {m}, greedy-shaped": (qr[:, keep], tr[:, keep])}
     out[f"leading {len(square)}, square"] = (qr[:, square], tr[:, square])
+    if qr.shape[1] * m > SKETCH_MAX:
+        return out
     s = sketch(both, m, 0)
     out[f"sketch {m}"] = (s[: len(qr)], s[len(qr) :])
     s = torch.cat([both[:, half], sketch(both[:, rest], m - len(half), 1)], 1)
