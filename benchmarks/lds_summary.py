@@ -220,7 +220,7 @@ def main() -> None:
         held = list(lds.HELDOUT) + list(lds.HELDOUT_HEAD)
         sets = [("tuning", list(lds.TUNING)), ("held-out", held), ("HELDOUT_NEXT", list(lds.HELDOUT_NEXT))]
         sets += [("HELDOUT_S18", list(lds.HELDOUT_S18)), ("HELDOUT_S19", list(lds.HELDOUT_S19))]
-        sets += [("HELDOUT_S20", list(lds.HELDOUT_S20))]
+        sets += [("HELDOUT_S20", list(lds.HELDOUT_S20)), ("HELDOUT_S20B", list(lds.HELDOUT_S20B))]
         eigen_main(results, sets)
         return
     tuning = list(lds.TUNING)
