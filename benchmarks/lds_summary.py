@@ -127,16 +127,16 @@ def table(names: list[str], results: Path) -> str:
     return "\n".join(lines)
 
 
-GROUPS_FILE = "issue32/lds-budget-{}-s20groups.json"  # lds_budget.py --groups: the eigenbasis default's rows
-BEFORE_FILE = "issue32/lds-budget-{}-s19groups.json"  # the same with the default before; seeded and exact rows
-FILL_FILE = "issue32/lds-budget-{}-s20fill.json"  # both output floor shapes side by side (heldout_s20b)
-VARIANT = (  # the eigenbasis default's label (sketch 1024, the library's floors) and the output floor's shape
+GROUPS_FILE = "issue32/lds-budget-{}-s19groups.json"  # lds_budget.py --groups: the eigenbasis default's rows
+DEFAULT_VARIANT = (  # the eigenbasis default's label there (the output floor's cells shaped by the greedy, sketch 1024)
     "eigenbasis, (as 1024 KiB on Qwen3-30B-A3B), bfloat16, output sketch 1024, dense floor 32, "
-    "output floor V/8 in [dense, 256], {}"
+    "output floor V/8 in [dense, 256], area"
 )
-DEFAULT_VARIANT, BEFORE_VARIANT = VARIANT.format("fill"), VARIANT.format("area")
+# the same label in session 18's files: the eigenbasis default then (experts' weight 1, damping 0.01 x model-wide)
+BEFORE_FILE = "issue32/lds-budget-{}-s18groups.json"
+BEFORE_VARIANTS = "issue32/score-variants-{}-s19.json"  # benchmarks/probes/score_variants.py: its "default" is it too
 SEEDED = "seeded p=32 (the default before)"
-BEFORE = "eigenbasis default before (output floor shaped by the greedy)"
+BEFORE = "eigenbasis default before (experts x1, damping 0.01 x model)"
 EIGEN_COLUMNS = [
     "untracked",
     "exact rows",
@@ -154,25 +154,20 @@ def eigen_per_query(name: str, results: Path) -> dict[str, np.ndarray]:
     """`{column: per-query LDS}` with the eigenbasis default (the index at what 1 MiB buys on Qwen3-30B-A3B,
     floors) as "default": its module groups alone and untracked (`GROUPS_FILE`), the seeded p=32 pipeline, and
     exact rows, the ceiling and Kronfluence from `per_query` where that file's default is the seeded one here."""
-
-    def read(path: Path) -> dict[str, np.ndarray]:
-        got = json.loads(path.read_text())["variants"] if path.exists() else {}
-        return {re.sub(r"budget \d+ B ", "", label): np.array(r["per_query"]) for label, r in got.items()}
-
-    got, before = read(results / GROUPS_FILE.format(name)), read(results / BEFORE_FILE.format(name))
-    eig = DEFAULT_VARIANT
-    if eig not in got:  # the default's index is the one before where both shapes keep the same cells (heldout_s20b)
-        shapes = read(results / FILL_FILE.format(name))
-        if not (DEFAULT_VARIANT in shapes and np.array_equal(shapes[DEFAULT_VARIANT], shapes.get(BEFORE_VARIANT))):
-            return {}
-        got, eig = before, BEFORE_VARIANT
-    out = {"default": got[eig], "untracked": got[f"{eig}, untracked"]}
-    if BEFORE_VARIANT in before:
-        out[BEFORE] = before[BEFORE_VARIANT]
-    for file in (got, before):
-        for key, label in (("default: projected p=32, float32", SEEDED), ("exact rows", "exact rows")):
-            if key in file and label not in out:
-                out[label] = file[key]
+    path = results / GROUPS_FILE.format(name)
+    if not path.exists():
+        return {}
+    got = {label: np.array(r["per_query"]) for label, r in json.loads(path.read_text())["variants"].items()}
+    eig = next(label for label in got if re.sub(r"budget \d+ B ", "", label) == DEFAULT_VARIANT)
+    out = {"default": got[eig], SEEDED: got["default: projected p=32, float32"], "untracked": got[f"{eig}, untracked"]}
+    before = results / BEFORE_FILE.format(name)
+    if before.exists():
+        earlier = json.loads(before.read_text())["variants"]
+        out[BEFORE] = next(np.array(r["per_query"]) for label, r in earlier.items()
+                           if re.sub(r"budget \d+ B ", "", label) == DEFAULT_VARIANT)  # fmt: skip
+    elif (results / BEFORE_VARIANTS.format(name)).exists():  # the configurations frozen after session 18
+        out[BEFORE] = np.array(json.loads((results / BEFORE_VARIANTS.format(name)).read_text())["variants"]["default"]
+                               ["per_query"])  # fmt: skip
     columns = ["attention alone", "experts alone", "routers alone", "`lm_head` alone"]
     for group, column in zip(lds.GROUPS, columns, strict=True):
         out[column] = got[f"{eig}, {group} alone"]
@@ -181,10 +176,12 @@ def eigen_per_query(name: str, results: Path) -> dict[str, np.ndarray]:
     # default (files written before the damping changed) or exact rows (both at today's damping)
     same = seeded and (
         np.allclose(seeded["default"], out[SEEDED])
-        or ("exact rows" in out and "exact rows" in seeded and np.allclose(seeded["exact rows"], out["exact rows"]))
+        or ("exact rows" in got and "exact rows" in seeded and np.allclose(seeded["exact rows"], got["exact rows"]))
     )
     if same:
-        out.update({k: seeded[k] for k in ("ceiling", KRONFLUENCE) if k in seeded})
+        out.update({k: seeded[k] for k in ("ceiling", "exact rows", KRONFLUENCE) if k in seeded})
+    if "exact rows" in got:  # scored with the default damping beside the default (lds_budget.py without --no_exact)
+        out["exact rows"] = got["exact rows"]
     return out
 
 
@@ -220,7 +217,7 @@ def main() -> None:
         held = list(lds.HELDOUT) + list(lds.HELDOUT_HEAD)
         sets = [("tuning", list(lds.TUNING)), ("held-out", held), ("HELDOUT_NEXT", list(lds.HELDOUT_NEXT))]
         sets += [("HELDOUT_S18", list(lds.HELDOUT_S18)), ("HELDOUT_S19", list(lds.HELDOUT_S19))]
-        sets += [("HELDOUT_S20", list(lds.HELDOUT_S20)), ("HELDOUT_S20B", list(lds.HELDOUT_S20B))]
+        sets += [("HELDOUT_S20", list(lds.HELDOUT_S20))]
         eigen_main(results, sets)
         return
     tuning = list(lds.TUNING)

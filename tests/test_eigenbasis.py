@@ -249,14 +249,14 @@ def test_every_tracked_expert_keeps_its_leading_pair(monkeypatch):
 
 
 def test_output_floor_area_is_shaped_by_the_greedy(monkeypatch):
-    """The output floor's r * r cells under `OUTPUT_FLOOR_SHAPE = "area"` (the default before "fill") take the
-    shape the greedy gives them on the output layer's own direction weights; "square" keeps r x r. Worked out by hand:
+    """The output floor's r * r cells under `OUTPUT_FLOOR_SHAPE = "area"` (the default) take the shape the greedy
+    gives them on the output layer's own direction weights; "square" keeps r x r. Worked out by hand:
     weights [[1, .9, .8, .7], [.3, .2, .1, .1]], r = 2 (16 words / 8): open (0, 0); a column (.9) beats a row
     (.3); a column (.8, 1 cell) beats a row (.25 a cell); only a column (.7) still fits: 1 x 4."""
     monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 2)
     w = torch.tensor([[1.0, 0.9, 0.8, 0.7], [0.3, 0.2, 0.1, 0.1]])
     dense = torch.ones(3, 3)
-    monkeypatch.setattr(eigenbasis, "OUTPUT_FLOOR_SHAPE", "area")
+    assert eigenbasis.OUTPUT_FLOOR_SHAPE == "area"
     assert fit_floors([(False, False), (False, True)], [dense, w], 100, vocab=16) == (2, 2, 1, [(2, 2), (1, 4)])
     monkeypatch.setattr(eigenbasis, "OUTPUT_FLOOR_SHAPE", "square")
     assert fit_floors([(False, False), (False, True)], [dense, w], 100, vocab=16) == (2, 2, 1, [(2, 2), (2, 2)])
@@ -370,7 +370,7 @@ def test_inspect_plans_the_eigenbasis_floors_of_qwen3_30b_a3b(capsys):
     floors = 48 * 5 * 32 * 32 + 256 * 256 + 48 * 128 * 2  # every expert block its leading pair
     per_expert = 1 + (2**20 // 2 - floors) / (48 * 128 * 2)
     assert len(line) == 1
-    head = "the output layer's 65536 cells (256 x 256, or its short side whole), 12288 expert blocks at 1"
+    head = "the output layer's 65536 cells (256 x 256, shaped by its eigenvalues), 12288 expert blocks at 1"
     assert f"floors: {floors} columns (241 dense blocks at 32 directions a side, {head})" in line[0]
     assert line[0].endswith(f"at most {per_expert:.1f} columns an expert block on average")
 
