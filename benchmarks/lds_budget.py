@@ -509,18 +509,15 @@ def main() -> None:
         candidate_tables(args.configs, "-" + args.output_floor_tables.lstrip("-"), sets,
                          output_floor_label, "square, sketch 512")  # fmt: skip
         return
-    if args.fill_tables is not None:
-        seen += [*lds.HELDOUT_S18, *lds.HELDOUT_S19, *lds.HELDOUT_S20]
-        sets = [("the nineteen measured before", seen), ("HELDOUT_S20B", list(lds.HELDOUT_S20B))]
-        tag = "-" + args.fill_tables.lstrip("-")
-        candidate_tables(args.configs, tag, sets, allocation_label, "1 x model, area")
-        return
-    if args.allocation_tables is not None:
-        seen += [*lds.HELDOUT_S18, *lds.HELDOUT_S19]
-        sets = [("the seventeen measured before", seen), ("HELDOUT_S20", list(lds.HELDOUT_S20))]
-        tag = "-" + args.allocation_tables.lstrip("-")
-        candidate_tables(args.configs, tag, sets, allocation_label, "1 x model, area")
-        return
+    for tag, earlier, title, frozen in (
+        (args.allocation_tables, (lds.HELDOUT_S18, lds.HELDOUT_S19), "seventeen", "HELDOUT_S20"),
+        (args.fill_tables, (lds.HELDOUT_S18, lds.HELDOUT_S19, lds.HELDOUT_S20), "nineteen", "HELDOUT_S20B"),
+    ):
+        if tag is not None:
+            measured = seen + [n for names in earlier for n in names]
+            sets = [(f"the {title} measured before", measured), (frozen, list(getattr(lds, frozen)))]
+            candidate_tables(args.configs, "-" + tag.lstrip("-"), sets, allocation_label, "1 x model, area")
+            return
     if args.summary is not None:
         tags = [t if t.startswith("-") or not t else f"-{t}" for t in args.summary]
         print(table(args.configs, tags) + "\n")
