@@ -236,6 +236,32 @@ CONFIGS = {
         models=48,
         seed=17,
     ),
+    # held out again (session 21, HELDOUT_S21 in benchmarks/heldout.json): frozen before the output floor's "hidden"
+    # shape was measured in the whole pipeline; families new to the benchmark (minimax: linear attention in every
+    # other layer; llama4_text: chunked attention, a shared expert), plain text and prompt/completion rows, one with
+    # a hidden side of 128 (where the shapes differ most)
+    "heldout-minimax": Config(
+        family="minimax",
+        layers=3,
+        experts=8,
+        people=48,
+        arithmetic=80,
+        sequences=96,
+        plain_text=True,
+        models=48,
+        seed=18,
+    ),
+    "heldout-llama4": Config(
+        family="llama4_text",
+        hidden=128,
+        layers=2,
+        experts=16,
+        people=48,
+        arithmetic=80,
+        sequences=96,
+        models=48,
+        seed=19,
+    ),
     "smoke": Config(people=8, arithmetic=16, sequences=16, queries_per_domain=4, models=20, epochs=4),
     "gpu": Config(
         hidden=256,
@@ -269,6 +295,8 @@ HELDOUT_S19 = ("heldout-glm", "heldout-hunyuan")
 HELDOUT_S20 = ("heldout-dots", "heldout-flex")
 # frozen in session 20 before anything was trained or measured on them: for the output floor's "fill" shape
 HELDOUT_S20B = ("heldout-dsv2", "heldout-oss-text")
+# frozen in session 21 before anything was trained or measured on them: for the output floor's "hidden" shape
+HELDOUT_S21 = ("heldout-minimax", "heldout-llama4")
 # the configurations every default is chosen over (the mean with a paired CI), and the held-out ones
 TUNING = ("cpu", "cpu-gpt_oss", "cpu-shared", "cpu-deep", "text-plain", "text-pydoc", "text-deep")
 
