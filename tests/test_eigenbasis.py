@@ -71,8 +71,17 @@ def expected_block(grads, ek, block, sketch=None):
     if expert is not None:
         qr, qc, rows, cols = qr[expert], qc[expert], rows[expert], cols[expert]
     rotated = qr.T @ w @ qc
-    kr, kc = block.shape
-    return rotated[:, rows[:kr]][:, :, cols[:kc]].reshape(w.shape[0], -1)
+    return keep_cells(rotated[:, rows[: block.shape[0]]][:, :, cols[: block.shape[1]]], block.shape)
+
+
+def keep_cells(rect, shape):
+    """`[N, kr, kc]` rows flattened to the cells a block's shape keeps: the rectangle, or for `(kr, kc, k)` the
+    leading k rows and leading k columns (an L), row-major."""
+    n = rect.shape[0]
+    if len(shape) == 2:
+        return rect.reshape(n, -1)
+    k = shape[2]
+    return torch.stack([rect[:, i, j] for i in range(shape[0]) for j in range(shape[1]) if i < k or j < k], 1)
 
 
 @pytest.mark.parametrize(
@@ -277,6 +286,69 @@ def test_output_floor_fill_shape(monkeypatch):
     assert fit_floors([(False, False), (False, True)], [dense, head], 100, vocab=32) == (2, 4, 1, [(2, 2), (2, 8)])
     head = torch.rand(6, 5)
     assert fit_floors([(False, False), (False, True)], [dense, head], 100, vocab=32) == (2, 4, 1, [(2, 2), (4, 4)])
+
+
+def test_output_floor_hidden_shape(monkeypatch):
+    """The "hidden" shape: the output floor's r * r cells as the output layer's input (hidden) side whole and its
+    vocabulary side filled to r * r cells. By hand, r = 4 (32 words / 8): 6 inputs x 20 words keeps 6 x 2 (16 // 6);
+    40 inputs keep 16 x 1 (at most r * r inputs, at least one word); 3 inputs x 4 words keep the block, 3 x 4. In
+    the stored orientation a `[out, in]` weight's rectangle is (words, inputs), a transposed one's (inputs, words).
+    On a tiny model the plan keeps the output layer's every input direction of the factors."""
+    assert eigenbasis.hidden_whole(4, 6, 20) == (6, 2)
+    assert eigenbasis.hidden_whole(4, 40, 20) == (16, 1)
+    assert eigenbasis.hidden_whole(4, 3, 4) == (3, 4)
+    monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 2)
+    monkeypatch.setattr(eigenbasis, "OUTPUT_FLOOR_SHAPE", "hidden")
+    dense = torch.ones(3, 3)
+    kinds = [(False, False), (False, True)]
+    assert fit_floors(kinds, [dense, torch.rand(20, 6)], 100, vocab=32) == (2, 4, 1, [(2, 2), (2, 6)])
+    assert fit_floors(kinds, [dense, torch.rand(6, 20)], 100, vocab=32, head_transposed=True)[3] == [(2, 2), (6, 2)]
+    monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 32)
+    model = tiny_model("qwen3_moe")  # 128 words x hidden 64: output floor 32, 1,024 cells: 16 words x 64 inputs
+    report = ma.discover(model, track_moe_experts=True)
+    ek = fit_ekfac(model, examples(6), projection_dim=8, output_projection_dim=256, token_batch_size=48, progress=False)
+    assert ek.factors["lm_head"].lam.shape == (128, 64) and not ek.factors["lm_head"].transposed
+    (head,) = [t.shapes[0] for t in plan_eigenbasis(report, ek, "8KiB").targets if t.block == "lm_head"]
+    assert head[1] == 64 and head[0] >= 16  # the greedy may add words to the floor's 16
+    monkeypatch.setattr(eigenbasis, "OUTPUT_FLOOR_SHAPE", "area")
+    (head,) = [t.shapes[0] for t in plan_eigenbasis(report, ek, "8KiB").targets if t.block == "lm_head"]
+    assert head[1] < 64  # the greedy's own shape keeps fewer inputs here
+
+
+def test_output_floor_cross_shape(tmp_path, monkeypatch):
+    """The "cross" shape: where both of the output block's sides hold 2r directions, the L of the leading r/4 rows
+    over 2r columns and the leading r/4 columns over 2r rows, else "fill". By hand: r = 32 in a 100 x 64 block:
+    (64, 64, 8), 8 * 64 + 56 * 8 = 960 cells; in 60 x 64, 4 x 200 and r = 2 (no quarter): fill's 32 x 32, 4 x 200,
+    2 x 2. On a tiny model (128 words x hidden 64, r = 16: the L (32, 32, 4), 240 cells) the output layer's
+    columns equal its exact gradient rotated into the factors' eigenbases and kept on the L, the greedy adds
+    nothing to it, and its elementwise preconditioning equals `Factor.precondition` restricted to those cells."""
+    assert eigenbasis.crossed(32, 100, 64) == (64, 64, 8) and eigenbasis.cells_of((64, 64, 8)) == 960
+    assert eigenbasis.crossed(32, 60, 64) == (32, 32)
+    assert eigenbasis.crossed(32, 4, 200) == (4, 200) and eigenbasis.crossed(2, 8, 8) == (2, 2)
+    monkeypatch.setattr(eigenbasis, "DENSE_DIRECTIONS", 8)
+    monkeypatch.setattr(eigenbasis, "OUTPUT_FLOOR_SHAPE", "cross")
+    model = tiny_model("qwen3_moe")
+    exs = examples(8)
+    ek = fit_ekfac(model, exs, projection_dim=8, output_projection_dim=256, token_batch_size=48, progress=False)
+    assert ek.factors["lm_head"].lam.shape == (128, 64)
+    index = load_index(build_index(model, exs, tmp_path / "ix", ekfac=ek, budget="16KiB", progress=False))
+    (head,) = [b for b in index.blocks if b.name == "lm_head.weight"]
+    assert head.shape == (32, 32, 4) and head.stop - head.start == 4 * 32 + 28 * 4
+    assert index.gradients.shape[1] <= parse_bytes("16KiB") // 4
+    rows = torch.from_numpy(index.read_rows(slice(None)))
+    grads = exact_grads(model, exs)
+    for b in index.blocks:
+        want = expected_block(grads, ek, b, (8, 0, {"lm_head": 256}))
+        assert rel_err(rows[:, b.start : b.stop], want) < 2e-4, b.name
+    got = precondition_queries(rows[:3], [head], ek, index.manifest["settings"])
+    f = ek.factors["lm_head"]
+    w = grads["lm_head.weight"].double()[:3]
+    qr, qc = f.rows_cols
+    pre = qr @ ((qr.T @ w @ qc) / (f.lam + f.damping)) @ qc.T
+    assert rel_err(f.precondition(w), pre) < 1e-10
+    r, c = direction_order(f)
+    want = keep_cells((qr.T @ pre @ qc)[:, r[:32]][:, :, c[:32]], (32, 32, 4))
+    assert rel_err(got[:, head.start : head.stop], want) < 2e-4
 
 
 def test_plan_floors(monkeypatch):

@@ -33,6 +33,7 @@ import lds  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
 from moe_attrib.curvature import eigenbasis  # noqa: E402
+from moe_attrib.settings import EIGENBASIS_OUTPUT_SKETCH, EIGENBASIS_SKETCH  # noqa: E402
 
 
 def sketch(x: torch.Tensor, m: int, seed: int) -> torch.Tensor:
@@ -44,7 +45,31 @@ def sketch(x: torch.Tensor, m: int, seed: int) -> torch.Tensor:
 SKETCH_MAX = 2 * 10**8  # cells x m of the Gaussian sketch formed at most (a larger output layer: no sketch rows)
 
 
-def variants(qr: torch.Tensor, tr: torch.Tensor, keep: torch.Tensor, square: torch.Tensor, m: int) -> dict:
+def rectangles(order: tuple, shape: tuple, m: int) -> list:
+    """`(kr, flat cells)` of the leading kr x m/kr rectangles, kr a power of two that both sides hold."""
+    rows, cols = order
+    out, kr = [], 1
+    while kr <= shape[0]:
+        if m % kr == 0 and m // kr <= shape[1]:
+            out.append((kr, (rows[:kr, None] * shape[1] + cols[None, : m // kr]).flatten()))
+        kr *= 2
+    return out
+
+
+def cross(order: tuple, shape: tuple, m: int, k: int) -> torch.Tensor:
+    """The flat cells of an L-shaped region: the leading `k` rows with as many columns as `m / 2` cells allow, and
+    the leading `k` columns with as many rows (the overlap counted once)."""
+    rows, cols = order
+    wide, tall = min(shape[1], m // (2 * k)), min(shape[0], m // (2 * k))
+    keep = torch.zeros(shape, dtype=torch.bool)
+    keep[:k, :wide] = True
+    keep[:tall, :k] = True
+    r, c = keep.nonzero(as_tuple=True)
+    return rows[r] * shape[1] + cols[c]
+
+
+def variants(qr: torch.Tensor, tr: torch.Tensor, keep: torch.Tensor, square: torch.Tensor, m: int, order: tuple,
+             shape: tuple, greedy_shapes: dict) -> dict:  # fmt: skip
     """`{label: (query part, train part)}` whose inner products are the scores; `qr`, `tr` the preconditioned-metric
     rows `scale * rotated` flattened, `keep` the leading cells' flat positions (greedy-shaped), `square` the r x r
     leading cells'."""
@@ -54,6 +79,13 @@ def variants(qr: torch.Tensor, tr: torch.Tensor, keep: torch.Tensor, square: tor
     both = torch.cat([qr, tr])
     out = {"exact": (qr, tr), f"leading {m}, greedy-shaped": (qr[:, keep], tr[:, keep])}
     out[f"leading {len(square)}, square"] = (qr[:, square], tr[:, square])
+    for kr, cells in rectangles(order, shape, len(square)):
+        out[f"leading {kr} x {len(square) // kr}"] = (qr[:, cells], tr[:, cells])
+    for label, cells in greedy_shapes.items():
+        out[label] = (qr[:, cells], tr[:, cells])
+    for k in (4, 8, 16):
+        cells = cross(order, shape, len(square), k)
+        out[f"cross {k}: {len(cells)} cells"] = (qr[:, cells], tr[:, cells])
     if qr.shape[1] * m > SKETCH_MAX:
         return out
     s = sketch(both, m, 0)
@@ -63,15 +95,34 @@ def variants(qr: torch.Tensor, tr: torch.Tensor, keep: torch.Tensor, square: tor
     return out
 
 
+def gram(rows: torch.Tensor) -> torch.Tensor:
+    """The cosine Gram matrix of training rows `[N, cells]`."""
+    unit = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    return unit @ unit.T
+
+
+def fidelity(kept: torch.Tensor, full: torch.Tensor) -> float:
+    """Mean over training rows of the Pearson correlation between a row's cosines to the other rows with the kept
+    cells and with every cell: a criterion computable at build time from training rows alone."""
+    n = len(full)
+    off = ~torch.eye(n, dtype=torch.bool)
+    a, b = kept[off].view(n, n - 1), full[off].view(n, n - 1)
+    a, b = a - a.mean(1, keepdim=True), b - b.mean(1, keepdim=True)
+    return float(((a * b).sum(1) / (a.norm(dim=1) * b.norm(dim=1)).clamp_min(1e-300)).mean())
+
+
 def run(name: str, cache: Path) -> None:
     c = lds.load_cached(name, cache)
     model = c.model()
     report = ma.discover(model, track_moe_experts=True, warn=False)
     head = report.output_layer
-    ek = ma.fit_ekfac(model, c.examples, projection_dim=None, progress=False)
+    ek = ma.fit_ekfac(model, c.examples, projection_dim=None, filter_modules=head, progress=False)
     f = ek.factors[head]
+    # the allocation's weights from factors fitted as `build` fits them (every module, the eigenbasis sketches)
+    sketches = {"projection_dim": EIGENBASIS_SKETCH, "output_projection_dim": EIGENBASIS_OUTPUT_SKETCH}
+    fitted = ma.fit_ekfac(model, c.examples, progress=False, **sketches)
     with tempfile.TemporaryDirectory() as tmp:
-        ma.build_index(model, c.examples, tmp, projection_dim=None, progress=False)
+        ma.build_index(model, c.examples, tmp, projection_dim=None, filter_modules=head, progress=False)
         index = ma.load_index(tmp)
         q = ma.query_gradients(model, c.queries, index)
         check = ma.score_matrix(index, q, ekfac=ek, device="cpu", modules=f"{head}.*", balance=None, coupling=None,
@@ -91,7 +142,7 @@ def run(name: str, cache: Path) -> None:
     exact = (qr @ tr.T).numpy()
     err = np.abs(exact - check).max() / np.abs(exact).max()
     # the leading cells: the output floor's r * r cells shaped by the greedy on the allocation's weights
-    allocation = ek.with_damping(eigenbasis.ALLOCATION_DAMPING, eigenbasis.ALLOCATION_SCOPE).factors[head]
+    allocation = fitted.with_damping(eigenbasis.ALLOCATION_DAMPING, eigenbasis.ALLOCATION_SCOPE).factors[head]
     (weights,) = eigenbasis.weights_of(allocation)
     r = eigenbasis.output_floor(shape[0] if not f.transposed else shape[1], eigenbasis.DENSE_DIRECTIONS)
     ((kr, kc),) = eigenbasis.allocate([weights], r * r)
@@ -99,14 +150,23 @@ def run(name: str, cache: Path) -> None:
     keep = (rows[:kr, None] * shape[1] + cols[None, :kc]).flatten()
     square = (rows[:r, None] * shape[1] + cols[None, :r]).flatten()
     m = kr * kc
+    # the greedy's shape on the head's own eigenvalues, damped by k x their mean (k = inf: the eigenvalues' mass)
+    greedy_shapes = {}
+    sorted_lam = lam[rows][:, cols]
+    for k in (0.1, 1.0, 10.0, 100.0, float("inf")):
+        w = sorted_lam if k == float("inf") else sorted_lam / (sorted_lam + k * lam.mean())
+        ((gr, gc),) = eigenbasis.allocate([w], r * r)
+        greedy_shapes[f"greedy d={k:g} x mean: {gr} x {gc}"] = (rows[:gr, None] * shape[1] + cols[None, :gc]).flatten()
     print(f"== {name}: output layer {tuple(shape)} ({shape[0] * shape[1]} cells), leading {kr} x {kc} = {m}; "
           f"exact scores against score_matrix: max rel. diff {err:.1e}", flush=True)  # fmt: skip
-    for label, (a, b) in variants(qr, tr, keep, square, m).items():
+    full = gram(tr)
+    for label, (a, b) in variants(qr, tr, keep, square, m, (rows, cols), tuple(shape), greedy_shapes).items():
         for cosine in (False, True):
             bn = b / b.norm(dim=1, keepdim=True) if cosine else b
             values = lds.per_query_lds((a @ bn.T).numpy(), c.subsets, c.losses)
             lo, hi = lds.bootstrap(values)
-            print(f"  {label:32s} {'cosine' if cosine else 'raw   '} LDS {values.mean():.3f} [{lo:.3f}, {hi:.3f}]",
+            fid = f"  training-Gram fidelity {fidelity(gram(b), full):.3f}" if cosine else ""
+            print(f"  {label:32s} {'cosine' if cosine else 'raw   '} LDS {values.mean():.3f} [{lo:.3f}, {hi:.3f}]{fid}",
                   flush=True)  # fmt: skip
 
 

@@ -103,6 +103,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         head = {
             "area": f"the output layer's {cells} cells ({fl.output} x {fl.output}, shaped by its eigenvalues)",
             "fill": f"the output layer's {cells} cells ({fl.output} x {fl.output}, or its short side whole)",
+            "hidden": f"the output layer's {cells} cells (its hidden side whole, the vocabulary side filled)",
+            "cross": f"the output layer's {cells} cells or fewer (an L of each side's leading {fl.output // 4} "
+            f"directions over {2 * fl.output} of the other's)",
         }.get(OUTPUT_FLOOR_SHAPE, f"the output layer at {fl.output}")
         experts = f", {fl.expert_blocks} expert blocks at {EXPERT_DIRECTIONS}" if fl.expert_blocks else ""
         print(f"eigenbasis floors: {fl.columns} columns ({fl.dense_blocks} dense blocks at {fl.dense} directions a "

@@ -61,9 +61,11 @@ DENSE_DIRECTIONS = 32  # each dense (not expert) block starts with this many dir
 EXPERT_DIRECTIONS = 1  # each expert block with this many (its leading pair): every tracked expert keeps a part
 OUTPUT_DIRECTIONS_MAX = 256  # the output layer's floor: its vocabulary / OUTPUT_VOCAB_FRACTION, within
 OUTPUT_VOCAB_FRACTION = 8  # [DENSE_DIRECTIONS, OUTPUT_DIRECTIONS_MAX] (`output_floor`)
-OUTPUT_FLOOR_SHAPES = ("square", "area", "fill")
-# r * r cells shaped by `allocate` ("area"), the r x r rectangle ("square"), or the square where the block holds it,
-# else the short side whole and the long side filled to r * r cells ("fill", `filled`)
+OUTPUT_FLOOR_SHAPES = ("square", "area", "fill", "hidden", "cross")
+# r * r cells shaped by `allocate` ("area"), the r x r rectangle ("square"), the square where the block holds it,
+# else the short side whole and the long side filled to r * r cells ("fill", `filled`), the input (hidden) side
+# whole and the vocabulary side filled to r * r cells ("hidden", `hidden_whole`), or an L of each side's leading
+# r/4 directions over 2r of the other's ("cross", `crossed`)
 OUTPUT_FLOOR_SHAPE = "area"  # "fill" passed its rule and lost 0.051 on the gpu configuration (docs/build.md)
 EXPERT_WEIGHT = 0.25  # an expert's directions count this much in the greedy (docs/build.md: The experts' weight)
 COLLECT_MULTIPLE = 8  # collected sides padded with zero directions to a multiple of this: grouped_mm needs
@@ -227,13 +229,14 @@ class EigenTarget:
 
     `basis_in` `[(E,) a, K_in]` (a includes the folded bias's ones row) and `basis_out` `[(E,) g, K_out]`
     are the kept eigenvectors in the factors' (sketched) space, most mass first; `shapes[e]` is block
-    e's `(kr, kc)` in the stored orientation (an expert with `(0, 0)` stores nothing)."""
+    e's `(kr, kc)` in the stored orientation (an expert with `(0, 0)` stores nothing), or `(kr, kc, k)` for an
+    L-shaped output floor (`cells_of`)."""
 
     block: str  # factor name: `<module>` or `<experts>.<proj>`
     names: list[str]  # block names, one per expert (or one)
     transposed: bool
     bias: bool
-    shapes: list[tuple[int, int]]
+    shapes: list[tuple[int, ...]]
     basis_in: torch.Tensor
     basis_out: torch.Tensor
 
@@ -251,6 +254,12 @@ class EigenTarget:
     def take(self, device: torch.device) -> torch.Tensor:
         """Positions of the stored columns in the flattened collected rectangles `[(E,) K_rows, K_cols]`."""
         kr_max, kc_max = self.widths
+        if any(len(s) == 3 for s in self.shapes):
+            parts = []
+            for e, s in enumerate(self.shapes):
+                r, c = cell_mask(s).nonzero(as_tuple=True)
+                parts.append(r * kc_max + c + e * kr_max * kc_max)
+            return torch.cat(parts).to(device)
         kr, kc = torch.tensor(self.shapes, dtype=torch.long).reshape(-1, 2).unbind(1)
         cells = kr * kc
         expert = torch.repeat_interleave(torch.arange(len(self.shapes)), cells)
@@ -287,15 +296,15 @@ class EigenPlan:
         """Index blocks: one per block with columns, `(kr, kc)` in the stored orientation."""
         out, col = [], 0
         for t in self.targets:
-            for name, (kr, kc) in zip(t.names, t.shapes, strict=True):
-                if kr * kc:
-                    out.append(Block(name, col, col + kr * kc, (kr, kc)))
-                    col += kr * kc
+            for name, shape in zip(t.names, t.shapes, strict=True):
+                if cells_of(shape):
+                    out.append(Block(name, col, col + cells_of(shape), tuple(shape)))
+                    col += cells_of(shape)
         return out
 
     @property
     def dim(self) -> int:
-        return sum(kr * kc for t in self.targets for kr, kc in t.shapes)
+        return sum(cells_of(s) for t in self.targets for s in t.shapes)
 
     def projector(self, name: str, side: str, features: int, like: torch.Tensor, batch: int | None):
         """The collector's `projector=`: `[(E,) features, K]` = sketch `P` (when the factors sketched this
@@ -428,8 +437,16 @@ def plan_eigenbasis(
     allocation = ekfac.with_damping(ALLOCATION_DAMPING, ALLOCATION_SCOPE).factors
     weights = [w for block, _, _ in found for w in weights_of(allocation[block])]
     kinds = [(f.experts, block == report.output_layer) for block, names, f in found for _ in names]
-    dense, output, each, floors = fit_floors(kinds, weights, columns, vocabulary(report))
-    shapes = allocate(weights, columns, floors)
+    head = next((f for block, _, f in found if block == report.output_layer), None)
+    dense, output, each, floors = fit_floors(
+        kinds, weights, columns, vocabulary(report), head_transposed=bool(head is not None and head.transposed)
+    )
+    fixed = {b: f for b, f in enumerate(floors) if len(f) == 3}  # an L: the block's whole part, not grown
+    for b in fixed:
+        weights[b], floors[b] = weights[b][:0, :0], (0, 0)
+    shapes: list[tuple[int, ...]] = allocate(weights, columns - sum(cells_of(f) for f in fixed.values()), floors)
+    for b, f in fixed.items():
+        shapes[b] = f
     targets, at = [], 0
     for block, names, f in found:
         mine = shapes[at : at + len(names)]
@@ -487,9 +504,9 @@ def plan_floors(
         if name == report.output_layer and OUTPUT_FLOOR_SHAPE == "area":
             cells += min(out * out, a * g)  # at most: the greedy may stop a row or column short
             continue
-        if name == report.output_layer and OUTPUT_FLOOR_SHAPE == "fill":
-            kr, kc = filled(out, a, g)
-            cells += kr * kc
+        if name == report.output_layer and OUTPUT_FLOOR_SHAPE in ("fill", "hidden", "cross"):
+            shape = {"fill": filled, "hidden": hidden_whole, "cross": crossed}[OUTPUT_FLOOR_SHAPE](out, a, g)
+            cells += cells_of(shape)
             continue
         r = out if name == report.output_layer else DENSE_DIRECTIONS
         cells += min(r, a) * min(r, g)
@@ -521,13 +538,60 @@ def filled(r: int, rows: int, cols: int) -> tuple[int, int]:
     return min(rows, r * r // max(cols, 1)), cols
 
 
+def hidden_whole(r: int, inputs: int, outputs: int) -> tuple[int, int]:
+    """The "hidden" shape of `r * r` cells in a block of `inputs` input-side (hidden) and `outputs` output-side
+    (vocabulary) directions, as `(input directions, output directions)`: the input side whole (at most `r * r`), the
+    output side filled to at most `r * r` cells, at least one direction (and at most the block)."""
+    k_in = min(inputs, r * r)
+    return k_in, min(outputs, max(1, r * r // max(k_in, 1)))
+
+
+def crossed(r: int, rows: int, cols: int) -> tuple[int, ...]:
+    """The "cross" shape of about `r * r` cells in a `rows x cols` block: where both sides hold `2r` directions, the
+    L `(2r, 2r, r // 4)` (`cells_of`): the leading `r/4` rows over the leading `2r` columns and the leading `r/4`
+    columns over the leading `2r` rows, `15/16 r^2` cells; else the "fill" shape (`filled`).
+
+    Why: which side of the output layer tells training rows apart depends on the queries (their answers' words: the
+    vocabulary side where domains answer with their own words, the hidden side where they share them), which the
+    build does not see; the L keeps both sides' leading directions against a long stretch of the other
+    (docs/build.md)."""
+    k = r // 4
+    if k and rows >= 2 * r and cols >= 2 * r:
+        return 2 * r, 2 * r, k
+    return filled(r, rows, cols)
+
+
+def cells_of(shape: tuple[int, ...]) -> int:
+    """Cells of a block's shape: `(kr, kc)`, a rectangle, or `(kr, kc, k)`, the L of the leading `k` rows and the
+    leading `k` columns of the `kr x kc` rectangle (`cell_mask`)."""
+    if len(shape) == 2:
+        return shape[0] * shape[1]
+    kr, kc, k = shape
+    return k * kc + (kr - k) * k
+
+
+def cell_mask(shape: tuple[int, ...]) -> torch.Tensor:
+    """Which cells of the `kr x kc` rectangle a block's shape keeps (`cells_of`), `[kr, kc]` bool, row-major as the
+    block's columns are stored."""
+    kr, kc = shape[0], shape[1]
+    if len(shape) == 2:
+        return torch.ones(kr, kc, dtype=torch.bool)
+    k = shape[2]
+    i, j = torch.arange(kr)[:, None], torch.arange(kc)[None, :]
+    return (i < k) | (j < k)
+
+
 def fit_floors(
-    kinds: list[tuple[bool, bool]], weights: list[torch.Tensor], columns: int, vocab: int = 0
-) -> tuple[int, int, int, list[tuple[int, int]]]:
+    kinds: list[tuple[bool, bool]],
+    weights: list[torch.Tensor],
+    columns: int,
+    vocab: int = 0,
+    head_transposed: bool = False,
+) -> tuple[int, int, int, list[tuple[int, ...]]]:
     """The dense, output and expert floors (`DENSE_DIRECTIONS`, `output_floor`, `EXPERT_DIRECTIONS`) and each
     block's floor rectangle, for
     blocks of `kinds` (`(expert, output layer)` each, in plan order) whose direction weights are `weights`, the
-    output layer having `vocab` words.
+    output layer having `vocab` words and its weight stored `[in, out]` if `head_transposed` (else `[out, in]`).
 
     Why floors: spent by `Lambda / (Lambda + d)` alone, a budget that buys a few dozen columns per block goes
     to the blocks with the largest eigenvalues and leaves the attention blocks and the output layer, which
@@ -547,6 +611,11 @@ def fit_floors(
                 out.append(allocate([w], r * r)[0])
             elif head and r and OUTPUT_FLOOR_SHAPE == "fill":
                 out.append(filled(r, *w.shape))
+            elif head and r and OUTPUT_FLOOR_SHAPE == "cross":
+                out.append(crossed(r, *w.shape))
+            elif head and r and OUTPUT_FLOOR_SHAPE == "hidden":
+                k_in, k_out = hidden_whole(r, *(w.shape if head_transposed else w.shape[::-1]))
+                out.append((k_in, k_out) if head_transposed else (k_out, k_in))
             else:
                 out.append((min(r, w.shape[0]), min(r, w.shape[1])))
         return out
@@ -564,11 +633,11 @@ def fit_floors(
                 "(docs/build.md).",
                 stacklevel=3,
             )
-    while sum(r * c for r, c in floors) > columns and (dense or output or each):
+    while sum(cells_of(f) for f in floors) > columns and (dense or output or each):
         dense, output, each = dense // 2, output // 2, each // 2
         floors = rects(dense, output, each)
     if (dense, output, each) != wanted:
-        need = sum(r * c for r, c in rects(*wanted))
+        need = sum(cells_of(f) for f in rects(*wanted))
         warnings.warn(
             f"moe-attrib: the budget buys {columns} columns, fewer than the {need} that the floors of {wanted[0]} "
             f"directions a side for dense blocks (output layer {wanted[1]}, experts {wanted[2]}) take: floors lowered "

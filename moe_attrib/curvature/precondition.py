@@ -12,7 +12,7 @@ import re
 import torch
 
 from moe_attrib.collect.projection import projection_kind
-from moe_attrib.curvature.eigenbasis import EigenbasisError, check_factors, direction_order
+from moe_attrib.curvature.eigenbasis import EigenbasisError, cell_mask, check_factors, direction_order
 from moe_attrib.curvature.ekfac import EKFAC
 from moe_attrib.errors import MoeAttribError
 from moe_attrib.indexing.index import Block
@@ -117,8 +117,8 @@ def eigen_denominators(block: Block, ekfac: EKFAC) -> torch.Tensor:
     lam, damp = f.lam.detach().double().cpu(), f.damping.detach().double().cpu()
     if expert is not None:
         rows, cols, lam, damp = rows[expert], cols[expert], lam[expert], damp[expert]
-    kr, kc = block.shape
-    return (lam[rows[:kr]][:, cols[:kc]] + damp).reshape(-1)
+    kr, kc = block.shape[:2]
+    return (lam[rows[:kr]][:, cols[:kc]] + damp)[cell_mask(tuple(block.shape))]
 
 
 def check_fitted(what: str, settings: dict, want: dict, refit: str) -> None:
