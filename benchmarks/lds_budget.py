@@ -362,7 +362,7 @@ def allocation_label(label: str) -> str | None:
     (`--allocations`, `--output_shapes`); the allocation left out of a label is the library's."""
     pattern = (
         r"(, allocation ([0-9.e-]+) x (\w+) mean)?, output sketch 1024, dense floor 32, "
-        r"output floor V/8 in \[dense, 256\](, (area|fill))?"
+        r"output floor V/8 in \[dense, 256\](, (area|fill|hidden|cross))?"
     )
     m = re.fullmatch(re.escape(AS_1MIB) + pattern, re.sub(r"budget \d+ B ", "", label))
     if not m:
@@ -502,6 +502,9 @@ def main() -> None:
     parser.add_argument("--fill_tables", default=None, metavar="TAG",
                         help="the output floor's 'fill' shape against the default measured under TAG "
                         "(heldout_s20b)")  # fmt: skip
+    parser.add_argument("--shape_tables", default=None, metavar="TAG",
+                        help="the output floor's 'hidden' and 'cross' shapes against the default measured under TAG "
+                        "(heldout_s21)")  # fmt: skip
     args = parser.parse_args()
     seen = [*lds.TUNING, *lds.HELDOUT, *lds.HELDOUT_HEAD, *lds.HELDOUT_NEXT]
     if args.output_floor_tables is not None:
@@ -512,6 +515,12 @@ def main() -> None:
     for tag, earlier, title, frozen in (
         (args.allocation_tables, (lds.HELDOUT_S18, lds.HELDOUT_S19), "seventeen", "HELDOUT_S20"),
         (args.fill_tables, (lds.HELDOUT_S18, lds.HELDOUT_S19, lds.HELDOUT_S20), "nineteen", "HELDOUT_S20B"),
+        (
+            args.shape_tables,
+            (lds.HELDOUT_S18, lds.HELDOUT_S19, lds.HELDOUT_S20, lds.HELDOUT_S20B),
+            "twenty-one",
+            "HELDOUT_S21",
+        ),
     ):
         if tag is not None:
             measured = seen + [n for names in earlier for n in names]

@@ -13,10 +13,15 @@ damping), so the only difference between rows is what `m` numbers per example ke
 - `sketch m`: a seeded Gaussian sketch to m numbers of the preconditioned rotated gradient
   `(Lambda + d)^-1/2 Q^T G Q` (its inner products estimate the preconditioned scores);
 - `leading m, square`: the r x r leading cells (the square floor);
-- `leading m/2 + sketch m/2`: the leading half exactly, the other directions sketched.
+- `leading m/2 + sketch m/2`: the leading half exactly, the other directions sketched;
+- `leading kr x kc`: the leading rectangles of every power-of-two aspect with r * r cells (`rectangles`);
+- `greedy d=k x mean`: the greedy's shape on the layer's own eigenvalues damped by k x their mean;
+- `cross k`: an L of the leading k rows and k columns, each as long as r * r / 2k cells allow (`cross`).
 
-Each is scored raw and with training rows unit-normalised in the preconditioned metric (the default's cosine).
-Usage: `python benchmarks/probes/output_tail.py text-plain text-deep heldout-hunyuan text-pydoc`.
+Each is scored raw and with training rows unit-normalised in the preconditioned metric (the default's cosine); the
+cosine line also prints the training-Gram fidelity (`fidelity`), a criterion a build could compute without queries.
+Only the output layer is collected (`filter_modules`), so a wide model's exact rows fit; the greedy's shape comes from
+factors fitted as `build` fits them. Usage: `python benchmarks/probes/output_tail.py text-deep text-plain gpu`.
 """
 
 from __future__ import annotations
