@@ -43,6 +43,7 @@ from moe_attrib.curvature.eigenbasis import parse_bytes  # noqa: E402
 from moe_attrib.curvature.ekfac import DAMPING_SCOPES  # noqa: E402
 from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
 from moe_attrib.model.discovery import iter_entries  # noqa: E402
+from moe_attrib.scoring import balance as balance_module  # noqa: E402
 from moe_attrib.settings import EIGENBASIS_OUTPUT_SKETCH, EIGENBASIS_SKETCH  # noqa: E402
 
 PS = (8, 16, 32, 64, 128)
@@ -55,6 +56,7 @@ SCALED = ("256KiB", "1MiB")  # Qwen3-30B-A3B budgets the eigenbasis budgets are 
 OUT = Path(__file__).parent / "results" / "issue32"
 DEFAULT = f"default: projected p={DEFAULT_PROJECTION_DIM}, float32"
 EXACT = "exact rows"
+WHOLE_LABELS = {"model": ", whole vote over the model", "rest": ", whole vote without the output layer"}
 SEEDED_DAMPING = (0.01, "model")  # the seeded default as it was scored (the library's damping before session 19)
 
 
@@ -80,6 +82,7 @@ def run(
     seeded: bool = True,
     expert_weights: tuple[float, ...] = (),
     unbalanced: bool = False,
+    wholes: tuple[str, ...] = (),
 ) -> dict:
     """Every variant of configuration `name` (`core`: only the default, exact rows and the eigenbasis
     budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations). The scaled eigenbasis
@@ -134,8 +137,15 @@ def run(
             scored = {label: {}, **{f"{label}, {g} alone": {"modules": glob} for g, glob in (alone or {}).items()}}
             if unbalanced and alone is not None:
                 scored[f"{label}, no output balance"] = {"balance": None}
+            for whole in wholes:  # the output balance's whole-model vote (`balance.BALANCE_WHOLE`)
+                scored[f"{label}{WHOLE_LABELS[whole]}"] = {"whole": whole}
             for mine, how in scored.items():
-                scores = ma.score_matrix(index, q, ekfac=ek, device="cpu", **how)
+                how, kept = dict(how), balance_module.BALANCE_WHOLE
+                balance_module.BALANCE_WHOLE = how.pop("whole", kept)
+                try:
+                    scores = ma.score_matrix(index, q, ekfac=ek, device="cpu", **how)
+                finally:
+                    balance_module.BALANCE_WHOLE = kept
                 values = lds.per_query_lds(scores, subsets, losses)
                 results[mine] = {"bytes": bytes_per_example(index), "values": values}
                 print(f"  {name}: {mine}: {results[mine]['bytes']} B/example, LDS {values.mean():.3f} "
@@ -362,13 +372,14 @@ def allocation_label(label: str) -> str | None:
     (`--allocations`, `--output_shapes`); the allocation left out of a label is the library's."""
     pattern = (
         r"(, allocation ([0-9.e-]+) x (\w+) mean)?, output sketch 1024, dense floor 32, "
-        r"output floor V/8 in \[dense, 256\](, (area|fill|hidden|cross))?"
+        r"output floor V/8 in \[dense, 256\](, (area|fill|hidden|cross))?(, whole vote (over the model|without the "
+        r"output layer))?"
     )
     m = re.fullmatch(re.escape(AS_1MIB) + pattern, re.sub(r"budget \d+ B ", "", label))
     if not m:
         return None
     a, scope = (m[2], m[3]) if m[1] else (f"{eigenbasis.ALLOCATION_DAMPING:g}", eigenbasis.ALLOCATION_SCOPE)
-    return f"{a} x {scope}, {m[5] or 'square'}"
+    return f"{a} x {scope}, {m[5] or 'square'}" + (", rest" if m[7] == "without the output layer" else "")
 
 
 def candidate_tables(names: list[str], tag: str, sets: list[tuple[str, list[str]]], label_of, base: str) -> None:
@@ -486,6 +497,9 @@ def main() -> None:
                         choices=eigenbasis.OUTPUT_FLOOR_SHAPES, help="the output floor's shapes (square r x r, or "
                         "r * r cells shaped by the allocation's greedy)")  # fmt: skip
     parser.add_argument("--no_seeded", action="store_true", help="with --core: skip the seeded p=32 index")
+    parser.add_argument("--balance_wholes", nargs="*", default=[], choices=balance_module.BALANCE_WHOLES,
+                        help="also each scaled index scored with the output balance's whole-model vote over these "
+                        "columns (rest: every column but the output layer's)")  # fmt: skip
     parser.add_argument("--unbalanced", action="store_true",
                         help="with --groups: also each scaled index scored without the output balance")  # fmt: skip
     parser.add_argument("--expert_weights", type=float, nargs="*", default=[],
@@ -543,7 +557,8 @@ def main() -> None:
         result = run(name, Path(args.cache), args.sketch, tuple(args.fractions), args.core, tuple(args.scaled),
                      tuple(args.allocations), widths, tuple(args.dtypes), tuple(args.dense),
                      tuple(args.output_floors), not args.no_exact, args.groups, tuple(args.output_shapes),
-                     not args.no_seeded, tuple(args.expert_weights), args.unbalanced)  # fmt: skip
+                     not args.no_seeded, tuple(args.expert_weights), args.unbalanced,
+                     tuple(args.balance_wholes))  # fmt: skip
         (OUT / f"lds-budget-{name}{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 

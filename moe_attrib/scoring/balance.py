@@ -10,8 +10,10 @@ divided by the spread of its scores over the index's rows:
 
     q = a / sigma_a + o / sigma_o        (rescaled to the norm of `a`)
 
-so that each votes with unit spread. `sigma_x` is the standard deviation of `x . g` over `s`
-sampled index rows `g` as they are scored (unit-normalised with `unit_normalize`). It is a query
+so that each votes with unit spread. With `whole="rest"` (`BALANCE_WHOLE`) `a` has the output layer's columns
+zeroed: the output layer then votes once, through `o`, whatever share of each row's norm its kept columns take
+(which an eigenbasis index's output floor shape changes: docs/build.md). `sigma_x` is the standard deviation of
+`x . g` over `s` sampled index rows `g` as they are scored (unit-normalised with `unit_normalize`). It is a query
 transform: the index is read as it is, rows keep their own norm, and a score's per-module parts
 still add up to it (the output layer's part then carries its extra vote).
 
@@ -34,6 +36,8 @@ from moe_attrib.scoring.coupling import Coupling, ekfac_identity, fit_coupling, 
 
 OUTPUT_LAYER = "lm_head.*"  # block-name glob of the output layer (Hugging Face causal LMs)
 DEFAULT_BALANCE_SAMPLE = 256  # rows the spreads are measured on
+BALANCE_WHOLES = ("model", "rest")  # the whole-model vote: every column, or every column but the output layer's
+BALANCE_WHOLE = "model"
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Balance:
     coupling: Coupling | None
     rows: torch.Tensor
     settings: dict
+    whole: str = "model"
 
     def apply(self, whole: torch.Tensor, preconditioned: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         """Balanced query rows from the whole model's prepared rows `whole` (coupled, unit-normalised
@@ -55,6 +60,8 @@ class Balance:
         output = preconditioned.to(whole.device) * self.columns.to(whole.device)
         if self.coupling is not None:
             output = self.coupling.apply(output)
+        if self.whole == "rest":
+            whole = whole * ~self.columns.to(whole.device)
         rows = self.rows.to(whole.device)
         spread_whole = (whole @ rows.T).std(dim=1, keepdim=True).clamp_min(1e-30)
         spread_output = (output @ rows.T).std(dim=1, keepdim=True).clamp_min(1e-30)
@@ -87,6 +94,7 @@ def fit_balance(
     coupling: dict | Coupling | None = None,
     sample: int = DEFAULT_BALANCE_SAMPLE,
     seed: int = 0,
+    whole: str | None = None,
     device: str | torch.device = "cpu",
     progress: bool = False,
 ) -> Balance | None:
@@ -94,9 +102,14 @@ def fit_balance(
     layer gets its own coupling fitted with the keyword arguments `coupling` (`fit_coupling`'s
     `gamma`, `rank`, `sample`, `seed`; `{}` its defaults, None: no coupling, as when the whole model's
     scoring has none), or the whole model's fitted `Coupling`, whose gamma, rank and sample it reuses.
+    `whole`: the whole-model vote's columns, "model" (every one) or "rest" (the output layer's zeroed); None:
+    `BALANCE_WHOLE`.
     None, with a warning, when the index has no output-layer block besides others; None when fewer
     than two sampled rows are finite."""
     coupling = coupling_arguments(coupling)
+    whole = BALANCE_WHOLE if whole is None else whole
+    if whole not in BALANCE_WHOLES:
+        raise ScoreError(f"fit_balance(whole={whole!r}): pass one of {', '.join(BALANCE_WHOLES)}.")
     if not has_output_layer(index):
         warnings.warn(
             f"moe-attrib: index {index.path} has no output-layer block ({OUTPUT_LAYER}) besides other blocks; "
@@ -126,8 +139,9 @@ def fit_balance(
         "unit_normalize": bool(unit_normalize),
         "ekfac": ekfac_identity(ekfac),
         "coupled": coupling is not None,
+        "whole": whole,
     }
-    return Balance(module_columns(index.blocks, OUTPUT_LAYER), output_coupling, rows, settings)
+    return Balance(module_columns(index.blocks, OUTPUT_LAYER), output_coupling, rows, settings, whole)
 
 
 _COUPLING_ARGUMENTS = ("gamma", "rank", "sample", "seed")
