@@ -67,6 +67,27 @@ def test_balanced_scores_equal_the_definition(synthetic, unit_normalize, sample,
         assert np.allclose(auto, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("unit_normalize", [True, False])
+def test_rest_balance_equals_the_definition(synthetic, unit_normalize, monkeypatch):
+    """`whole="rest"`: the whole-model vote `a` with the output layer's columns zeroed, so the output layer votes once;
+    by hand, `q = a_rest / sigma + o / sigma_o` rescaled to `|a_rest|`. `BALANCE_WHOLE` is what "auto" fits; a bad
+    value is refused before any work."""
+    index, rows, q, mask = synthetic
+    scored = unit(rows) if unit_normalize else rows
+    whole = unit(q) if unit_normalize else q
+    expected = balanced(whole * (1 - mask), q * mask, scored[sample_rows(53, 256, 0)]) @ scored.T
+    fitted = fit_balance(index, unit_normalize=unit_normalize, whole="rest")
+    assert fitted.settings["whole"] == "rest"
+    opts = dict(unit_normalize=unit_normalize, coupling=None, device="cpu")
+    assert np.allclose(score_matrix(index, q, balance=fitted, **opts), expected, rtol=1e-4, atol=1e-5)
+    model_vote = score_matrix(index, q, balance=fit_balance(index, unit_normalize=unit_normalize), **opts)
+    assert np.abs(model_vote - expected).max() > 1e-3
+    monkeypatch.setattr(balance_module, "BALANCE_WHOLE", "rest")
+    assert np.allclose(score_matrix(index, q, **opts), expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ScoreError, match="whole='all'"):
+        fit_balance(index, whole="all")
+
+
 def test_a_balance_is_checked_and_never_applied_to_a_module_restricted_score(synthetic):
     index, rows, q, mask = synthetic
     fitted = fit_balance(index, unit_normalize=True)
