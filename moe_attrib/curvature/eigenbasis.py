@@ -150,22 +150,27 @@ def _sorted(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Te
 
 
 def allocate(
-    weights: list[torch.Tensor], columns: int, floors: list[tuple[int, int]] | None = None
-) -> list[tuple[int, int]]:
+    weights: list[torch.Tensor], columns: int, floors: list[tuple[int, ...]] | None = None
+) -> list[tuple[int, ...]]:
     """Rectangles `(kr, kc)` of leading directions for blocks whose direction weights (rows and
     columns sorted, most first) are `weights[b]` `[R, C]`, at most `columns` cells in all.
 
-    Blocks start from `floors[b]` (clipped to the block; none: empty), whose cells are spent first.
+    Blocks start from `floors[b]` (clipped to the block; none: empty), whose cells are spent first; a floor
+    `(kr, kc, k)` (an L, `cells_of`) is the block's whole part, kept as it is.
     Greedy: a block opens with its (0, 0) direction; an open block grows by its next row (kc new
     cells) or next column (kr new cells); each step takes the move of highest weight per cell that
     still fits. Ties go to the earlier block, so the allocation is deterministic.
     """
-    shapes = [[0, 0] for _ in weights]
-    for b, (fr, fc) in enumerate(floors or []):
-        fr, fc = min(fr, weights[b].shape[0]), min(fc, weights[b].shape[1])
+    shapes: list[list[int]] = [[0, 0] for _ in weights]
+    fixed = set()
+    for b, floor in enumerate(floors or []):
+        if len(floor) == 3:
+            shapes[b], fixed = list(floor), fixed | {b}
+            continue
+        fr, fc = min(floor[0], weights[b].shape[0]), min(floor[1], weights[b].shape[1])
         if fr > 0 and fc > 0:
             shapes[b] = [fr, fc]
-    left = columns - sum(kr * kc for kr, kc in shapes)
+    left = columns - sum(cells_of(s) for s in shapes)
     if left < 0:
         raise EigenbasisError(
             f"the budget buys {columns} columns, fewer than the {columns - left} the dense blocks' floors take: "
@@ -177,6 +182,8 @@ def allocate(
 
     def best(b: int) -> tuple[float, int, int] | None:
         """(gain per cell, move, cost) of block b's best move that fits: 0 open, 1 row, 2 column."""
+        if b in fixed:
+            return None
         w, (kr, kc) = arrays[b], shapes[b]
         if kr == 0:
             return (float(w[0, 0]), 0, 1) if w.size and left >= 1 else None
@@ -209,7 +216,7 @@ def allocate(
         move_next = best(b)
         if move_next is not None:
             heapq.heappush(heap, (-move_next[0], b, move_next[1], version[b]))
-    return [(kr, kc) for kr, kc in shapes]
+    return [tuple(s) for s in shapes]
 
 
 def padded_width(k: int) -> int:
@@ -441,12 +448,7 @@ def plan_eigenbasis(
     dense, output, each, floors = fit_floors(
         kinds, weights, columns, vocabulary(report), head_transposed=bool(head is not None and head.transposed)
     )
-    fixed = {b: f for b, f in enumerate(floors) if len(f) == 3}  # an L: the block's whole part, not grown
-    for b in fixed:
-        weights[b], floors[b] = weights[b][:0, :0], (0, 0)
-    shapes: list[tuple[int, ...]] = allocate(weights, columns - sum(cells_of(f) for f in fixed.values()), floors)
-    for b, f in fixed.items():
-        shapes[b] = f
+    shapes = allocate(weights, columns, floors)
     targets, at = [], 0
     for block, names, f in found:
         mine = shapes[at : at + len(names)]
@@ -494,7 +496,7 @@ def plan_floors(
     out = output_floor(vocabulary(report), DENSE_DIRECTIONS)
     dims = output_dims(report.output_layer, sketch, output_sketch)
     dense_blocks = expert_blocks = cells = directions = 0
-    for name, _transposed, experts, a, g, _fold in factor_dims(report, sketch, True, target_dims=dims):
+    for name, transposed, experts, a, g, _fold in factor_dims(report, sketch, True, target_dims=dims):
         directions += a * g * (experts or 1)
         if experts:
             expert_blocks += experts
@@ -504,12 +506,10 @@ def plan_floors(
         if name == report.output_layer and OUTPUT_FLOOR_SHAPE == "area":
             cells += min(out * out, a * g)  # at most: the greedy may stop a row or column short
             continue
-        if name == report.output_layer and OUTPUT_FLOOR_SHAPE in ("fill", "hidden", "cross"):
-            shape = {"fill": filled, "hidden": hidden_whole, "cross": crossed}[OUTPUT_FLOOR_SHAPE](out, a, g)
-            cells += cells_of(shape)
+        if name == report.output_layer:
+            cells += cells_of(output_floor_shape(out, *((a, g) if transposed else (g, a)), transposed))
             continue
-        r = out if name == report.output_layer else DENSE_DIRECTIONS
-        cells += min(r, a) * min(r, g)
+        cells += min(DENSE_DIRECTIONS, a) * min(DENSE_DIRECTIONS, g)
     return FloorPlan(dense_blocks, expert_blocks, DENSE_DIRECTIONS, out, cells, directions)
 
 
@@ -561,6 +561,20 @@ def crossed(r: int, rows: int, cols: int) -> tuple[int, ...]:
     return filled(r, rows, cols)
 
 
+def output_floor_shape(r: int, rows: int, cols: int, transposed: bool = False) -> tuple[int, ...]:
+    """The output floor's shape in a `rows x cols` block (stored orientation: `[in, out]` if `transposed`, else
+    `[out, in]`) under `OUTPUT_FLOOR_SHAPE` other than "area" (which `allocate` shapes on the block's weights):
+    `filled`, `hidden_whole`, `crossed`, or the `r x r` square clipped to the block."""
+    if OUTPUT_FLOOR_SHAPE == "fill":
+        return filled(r, rows, cols)
+    if OUTPUT_FLOOR_SHAPE == "cross":
+        return crossed(r, rows, cols)
+    if OUTPUT_FLOOR_SHAPE == "hidden":
+        k_in, k_out = hidden_whole(r, *((rows, cols) if transposed else (cols, rows)))
+        return (k_in, k_out) if transposed else (k_out, k_in)
+    return min(r, rows), min(r, cols)
+
+
 def cells_of(shape: tuple[int, ...]) -> int:
     """Cells of a block's shape: `(kr, kc)`, a rectangle, or `(kr, kc, k)`, the L of the leading `k` rows and the
     leading `k` columns of the `kr x kc` rectangle (`cell_mask`)."""
@@ -609,13 +623,8 @@ def fit_floors(
             r = x if expert else o if head else d
             if head and r and OUTPUT_FLOOR_SHAPE == "area":
                 out.append(allocate([w], r * r)[0])
-            elif head and r and OUTPUT_FLOOR_SHAPE == "fill":
-                out.append(filled(r, *w.shape))
-            elif head and r and OUTPUT_FLOOR_SHAPE == "cross":
-                out.append(crossed(r, *w.shape))
-            elif head and r and OUTPUT_FLOOR_SHAPE == "hidden":
-                k_in, k_out = hidden_whole(r, *(w.shape if head_transposed else w.shape[::-1]))
-                out.append((k_in, k_out) if head_transposed else (k_out, k_in))
+            elif head and r:
+                out.append(output_floor_shape(r, *w.shape, head_transposed))
             else:
                 out.append((min(r, w.shape[0]), min(r, w.shape[1])))
         return out

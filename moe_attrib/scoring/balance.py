@@ -45,13 +45,13 @@ class Balance:
     """What balancing one index's scores needs: the output layer's columns, its own coupling, and
     the sampled rows (`[s, columns]`, as scored, kept on the host) the spreads are measured on.
 
-    `settings` says what it was fitted for; `resolve_balance` refuses queries prepared any other way."""
+    `settings` says what it was fitted for (and, as `"whole"`, the whole-model vote's columns, `BALANCE_WHOLES`);
+    `resolve_balance` refuses queries prepared any other way."""
 
     columns: torch.Tensor
     coupling: Coupling | None
     rows: torch.Tensor
     settings: dict
-    whole: str = "model"
 
     def apply(self, whole: torch.Tensor, preconditioned: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         """Balanced query rows from the whole model's prepared rows `whole` (coupled, unit-normalised
@@ -60,7 +60,7 @@ class Balance:
         output = preconditioned.to(whole.device) * self.columns.to(whole.device)
         if self.coupling is not None:
             output = self.coupling.apply(output)
-        if self.whole == "rest":
+        if self.settings.get("whole") == "rest":
             whole = whole * ~self.columns.to(whole.device)
         rows = self.rows.to(whole.device)
         spread_whole = (whole @ rows.T).std(dim=1, keepdim=True).clamp_min(1e-30)
@@ -141,7 +141,7 @@ def fit_balance(
         "coupled": coupling is not None,
         "whole": whole,
     }
-    return Balance(module_columns(index.blocks, OUTPUT_LAYER), output_coupling, rows, settings, whole)
+    return Balance(module_columns(index.blocks, OUTPUT_LAYER), output_coupling, rows, settings)
 
 
 _COUPLING_ARGUMENTS = ("gamma", "rank", "sample", "seed")
