@@ -648,6 +648,48 @@ def cache_dir(name: str, root: Path) -> Path:
     return root / f"lds-{name}-{key}"
 
 
+GROUND_TRUTH = ROOT / "benchmarks" / "ground_truth"
+# what a configuration's retrained subset models leave, tracked in git (`GROUND_TRUTH/<cache dir's name>/`): the
+# corpus and tokenizer the models saw and their query losses. A fresh clone restores them into the cache and trains
+# only the full model (seconds to a minute) instead of every subset model (minutes to an hour per configuration).
+GROUND_TRUTH_FILES = (
+    "train.jsonl",
+    "queries.jsonl",
+    "tokenizer/tokenizer.json",
+    "tokenizer/tokenizer_config.json",
+    "subset_losses.npz",
+)
+
+
+def restore_ground_truth(cache: Path) -> bool:
+    """Copy the tracked ground truth of the configuration cached at `cache` into it, where the cache lacks it;
+    True when the cache then holds the subset losses."""
+    import shutil
+
+    kept = GROUND_TRUTH / cache.name
+    if kept.is_dir():
+        for name in GROUND_TRUTH_FILES:
+            src, dst = kept / name, cache / name
+            if src.exists() and not dst.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dst)
+    return (cache / "subset_losses.npz").exists()
+
+
+def keep_ground_truth(cache: Path) -> Path:
+    """Copy the configuration's corpus, tokenizer and subset losses from `cache` into the tracked ground truth
+    (files already kept are left as they are: the tracked copy is the reference)."""
+    import shutil
+
+    kept = GROUND_TRUTH / cache.name
+    for name in GROUND_TRUTH_FILES:
+        src, dst = cache / name, kept / name
+        if src.exists() and not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    return kept
+
+
 @dataclass
 class Cached:
     """What `lds.py` left for a configuration, as the attribution scripts read it back."""
@@ -677,8 +719,13 @@ def load_cached(name: str, root: Path) -> Cached:
     from transformers import AutoTokenizer
 
     c = cache_dir(name, root)
-    if not (c / "subset_losses.npz").exists():
+    if not restore_ground_truth(c):
         raise SystemExit(f"{c}: no cached subset losses; run `python benchmarks/lds.py --config {name}` first")
+    if not (c / "full-model").exists():
+        raise SystemExit(
+            f"{c}: subset losses restored from {GROUND_TRUTH / c.name}, but no full model; run "
+            f"`python benchmarks/lds.py --config {name} --train_only` (it trains the full model alone) first"
+        )
     saved = np.load(c / "subset_losses.npz")
     tokenizer = AutoTokenizer.from_pretrained(c / "full-model")
     examples = load_examples(str(c / "train.jsonl"), tokenizer)
@@ -753,6 +800,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="default: benchmarks/results/lds-<config>.json")
     parser.add_argument("--markdown", default=None, help="print a result file as a Markdown table and exit")
     parser.add_argument("--train_only", action="store_true", help="train and cache the models, then exit")
+    parser.add_argument("--no_keep", action="store_true", help=f"do not copy the subset losses, corpus and "
+                        f"tokenizer into {GROUND_TRUTH.relative_to(ROOT)}/ (tracked)")  # fmt: skip
     parser.add_argument("--core", action="store_true", help="only the rows reported for every configuration")
     parser.add_argument("--score_device", default=None, help="where scores are computed (default: --device; cpu for "
                         "exact rows too wide for the GPU's coupling sample)")  # fmt: skip
@@ -764,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, args.workers))
     cache = cache_dir(args.config, Path(args.cache))
     cache.mkdir(parents=True, exist_ok=True)
+    restore_ground_truth(cache)
     t0 = time.perf_counter()
     train_records, query_records, tokenizer = corpus(cfg, cache)
     examples = load_examples(str(cache / "train.jsonl"), tokenizer)
@@ -782,6 +832,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         train_seconds = time.perf_counter() - t0
         np.savez(losses_file, subsets=subsets, losses=losses, retest=retest, seconds=train_seconds)
+    if not args.no_keep:
+        print(f"lds: ground truth kept in {keep_ground_truth(cache)} (commit it)")
     model_dir = cache / "full-model"
     if not model_dir.exists():
         torch.set_num_threads(max(1, args.workers))

@@ -173,7 +173,7 @@ def test_lds_benchmark_smoke(tmp_path):
     out = tmp_path / "lds.json"
     res = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "lds.py"), "--config", "smoke", "--cache", str(tmp_path / "cache"),
-         "--projections", "8", "--workers", "1", "--out", str(out)],
+         "--projections", "8", "--workers", "1", "--out", str(out), "--no_keep"],
         capture_output=True, text=True, env={**ENV, "OMP_NUM_THREADS": "1"}, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
