@@ -246,3 +246,36 @@ def test_lds_corpora_plain_text_and_python_docs(tmp_path):
     assert lds.cache_dir("cpu", tmp_path).name == "lds-cpu-d434506e64c1"
     assert lds.cache_dir("cpu-deep", tmp_path).name == "lds-cpu-deep-6958e7c19fd0"
     assert set(lds.HELDOUT) <= set(lds.CONFIGS) and not set(lds.HELDOUT) & set(lds.TUNING)
+
+
+def test_lds_ground_truth_matches_its_configuration(tmp_path):
+    """Every tracked ground truth (`benchmarks/ground_truth/`) belongs to a configuration as it is now (its cache
+    key), holds one subset mask per model over the corpus it keeps and one loss per query for both data orders,
+    and is restored into an empty cache (the tracked copy is never overwritten by a cache's)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import lds
+
+    keys = {lds.cache_dir(name, tmp_path).name: name for name in lds.CONFIGS}
+    kept = sorted(d for d in lds.GROUND_TRUTH.iterdir() if d.is_dir()) if lds.GROUND_TRUTH.exists() else []
+    for d in kept:
+        assert d.name in keys, f"{d}: no configuration has this cache key (a Config changed? retrain it)"
+        cfg = lds.CONFIGS[keys[d.name]]
+        rows = len((d / "train.jsonl").read_text().splitlines())
+        queries = len((d / "queries.jsonl").read_text().splitlines())
+        assert (d / "tokenizer" / "tokenizer.json").exists()
+        if not (d / "subset_losses.npz").exists():
+            continue  # a corpus kept before its models were trained
+        saved = np.load(d / "subset_losses.npz")
+        assert saved["subsets"].shape == (cfg.models, rows) and saved["subsets"].dtype == bool
+        assert (saved["subsets"].sum(1) == rows // 2).all()
+        for key in ("losses", "retest"):
+            assert saved[key].shape == (cfg.models, queries) and np.isfinite(saved[key]).all()
+    if kept:
+        cache = tmp_path / kept[0].name
+        cache.mkdir()
+        (cache / "train.jsonl").write_text("cache's own\n")
+        assert lds.restore_ground_truth(cache) == (kept[0] / "subset_losses.npz").exists()
+        assert (cache / "train.jsonl").read_text() == "cache's own\n"  # a cache's file is left as it is
+        assert (cache / "queries.jsonl").read_bytes() == (kept[0] / "queries.jsonl").read_bytes()
+        lds.keep_ground_truth(cache)
+        assert (kept[0] / "train.jsonl").read_text() != "cache's own\n"
