@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from lds_damping import mean_over  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.curvature import eigenbasis  # noqa: E402
+from moe_attrib.curvature import eigenbasis, precondition  # noqa: E402
 from moe_attrib.curvature.eigenbasis import parse_bytes  # noqa: E402
 from moe_attrib.curvature.ekfac import DAMPING_SCOPES  # noqa: E402
 from moe_attrib.indexing.index import DEFAULT_PROJECTION_DIM  # noqa: E402
@@ -83,6 +83,7 @@ def run(
     expert_weights: tuple[float, ...] = (),
     unbalanced: bool = False,
     wholes: tuple[str, ...] = (),
+    block_weights: tuple[str, ...] = (),
 ) -> dict:
     """Every variant of configuration `name` (`core`: only the default, exact rows and the eigenbasis
     budgets scaled from Qwen3-30B-A3B and 1 MiB, for the larger configurations). The scaled eigenbasis
@@ -139,13 +140,16 @@ def run(
                 scored[f"{label}, no output balance"] = {"balance": None}
             for whole in wholes:  # the output balance's whole-model vote (`balance.BALANCE_WHOLE`)
                 scored[f"{label}{WHOLE_LABELS[whole]}"] = {"whole": whole}
+            for weights in block_weights:  # the truncation weights (`precondition.BLOCK_WEIGHTS`)
+                scored[f"{label}, block weights {weights}"] = {"block_weights": weights}
             for mine, how in scored.items():
-                how, kept = dict(how), balance_module.BALANCE_WHOLE
-                balance_module.BALANCE_WHOLE = how.pop("whole", kept)
+                how, kept = dict(how), (balance_module.BALANCE_WHOLE, precondition.BLOCK_WEIGHTS)
+                balance_module.BALANCE_WHOLE = how.pop("whole", kept[0])
+                precondition.BLOCK_WEIGHTS = how.pop("block_weights", kept[1])
                 try:
                     scores = ma.score_matrix(index, q, ekfac=ek, device="cpu", **how)
                 finally:
-                    balance_module.BALANCE_WHOLE = kept
+                    balance_module.BALANCE_WHOLE, precondition.BLOCK_WEIGHTS = kept
                 values = lds.per_query_lds(scores, subsets, losses)
                 results[mine] = {"bytes": bytes_per_example(index), "values": values}
                 print(f"  {name}: {mine}: {results[mine]['bytes']} B/example, LDS {values.mean():.3f} "
@@ -373,13 +377,14 @@ def allocation_label(label: str) -> str | None:
     pattern = (
         r"(, allocation ([0-9.e-]+) x (\w+) mean)?, output sketch 1024, dense floor 32, "
         r"output floor V/8 in \[dense, 256\](, (area|fill|hidden|cross))?(, whole vote (over the model|without the "
-        r"output layer))?"
+        r"output layer))?(, block weights (dense|all|output))?"
     )
     m = re.fullmatch(re.escape(AS_1MIB) + pattern, re.sub(r"budget \d+ B ", "", label))
     if not m:
         return None
     a, scope = (m[2], m[3]) if m[1] else (f"{eigenbasis.ALLOCATION_DAMPING:g}", eigenbasis.ALLOCATION_SCOPE)
-    return f"{a} x {scope}, {m[5] or 'square'}" + (", rest" if m[7] == "without the output layer" else "")
+    rest = ", rest" if m[7] == "without the output layer" else ""
+    return f"{a} x {scope}, {m[5] or 'square'}{rest}" + (f", weights {m[9]}" if m[9] else "")
 
 
 def candidate_tables(names: list[str], tag: str, sets: list[tuple[str, list[str]]], label_of, base: str) -> None:
@@ -500,6 +505,9 @@ def main() -> None:
     parser.add_argument("--balance_wholes", nargs="*", default=[], choices=balance_module.BALANCE_WHOLES,
                         help="also each scaled index scored with the output balance's whole-model vote over these "
                         "columns (rest: every column but the output layer's)")  # fmt: skip
+    parser.add_argument("--truncation_weights", nargs="*", default=[], choices=precondition.BLOCK_WEIGHTS_CHOICES,
+                        help="also each scaled index scored with these blocks' truncation weights "
+                        "(precondition.block_weight)")  # fmt: skip
     parser.add_argument("--unbalanced", action="store_true",
                         help="with --groups: also each scaled index scored without the output balance")  # fmt: skip
     parser.add_argument("--expert_weights", type=float, nargs="*", default=[],
@@ -517,8 +525,8 @@ def main() -> None:
                         help="the output floor's 'fill' shape against the default measured under TAG "
                         "(heldout_s20b)")  # fmt: skip
     parser.add_argument("--shape_tables", default=None, metavar="TAG",
-                        help="the output floor's 'hidden' and 'cross' shapes against the default measured under TAG "
-                        "(heldout_s21)")  # fmt: skip
+                        help="the output floor's 'hidden' and 'cross' shapes (heldout_s21), or the truncation weights "
+                        "(heldout_s22), against the default measured under TAG")  # fmt: skip
     args = parser.parse_args()
     seen = [*lds.TUNING, *lds.HELDOUT, *lds.HELDOUT_HEAD, *lds.HELDOUT_NEXT]
     if args.output_floor_tables is not None:
@@ -558,7 +566,7 @@ def main() -> None:
                      tuple(args.allocations), widths, tuple(args.dtypes), tuple(args.dense),
                      tuple(args.output_floors), not args.no_exact, args.groups, tuple(args.output_shapes),
                      not args.no_seeded, tuple(args.expert_weights), args.unbalanced,
-                     tuple(args.balance_wholes))  # fmt: skip
+                     tuple(args.balance_wholes), tuple(args.truncation_weights))  # fmt: skip
         (OUT / f"lds-budget-{name}{args.tag}.json").write_text(json.dumps(result, indent=1))
 
 

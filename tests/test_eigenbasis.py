@@ -556,3 +556,37 @@ def test_token_rows_sum_to_example_rows(tmp_path):
     o = tokens.token_offsets
     summed = torch.stack([torch.from_numpy(tokens.read_rows(slice(o[i], o[i + 1]))).sum(0) for i in range(len(exs))])
     assert rel_err(summed, torch.from_numpy(rows.read_rows(slice(None)))) < 1e-4
+
+
+@pytest.mark.parametrize("which", ["dense", "all", "output"])
+def test_block_weights_restore_each_blocks_expected_share(tmp_path, monkeypatch, which):
+    """`precondition.BLOCK_WEIGHTS` multiplies each chosen eigenbasis block's preconditioned query columns by
+    `r = sum_all lambda / (lambda + d) / sum_kept lambda / (lambda + d)`, summed by hand here over the factor's
+    corrected eigenvalues (its expert's, for an expert block) and the cells the block keeps; blocks it leaves out, and
+    every block under "none", keep weight 1."""
+    from moe_attrib.curvature import precondition
+
+    model = tiny_model("qwen3_moe")
+    exs = examples(8)
+    ek = fit_ekfac(model, exs, projection_dim=8, output_projection_dim=256, token_batch_size=48, progress=False)
+    index = load_index(build_index(model, exs, tmp_path / "ix", ekfac=ek, budget="16KiB", progress=False))
+    q = torch.from_numpy(index.read_rows(slice(0, 3)))
+    plain = precondition_queries(q, index.blocks, ek, index.manifest["settings"])
+    monkeypatch.setattr(precondition, "BLOCK_WEIGHTS", which)
+    got = precondition_queries(q, index.blocks, ek, index.manifest["settings"])
+    weighted = 0
+    for b in index.blocks:
+        factor, expert, _ = factor_of(b.name)
+        f = ek.factors[factor]
+        lam, damp = f.lam.double(), f.damping.double()
+        rows, cols = direction_order(f)
+        if expert is not None:
+            lam, damp, rows, cols = lam[expert], damp[expert], rows[expert], cols[expert]
+        kr, kc = b.shape[:2]
+        kept = lam[rows[:kr]][:, cols[:kc]]
+        r = float((lam / (lam + damp)).sum() / (kept / (kept + damp)).sum())
+        chosen = {"dense": expert is None, "all": True, "output": b.name == "lm_head.weight"}[which]
+        want = plain[:, b.start : b.stop] * (r if chosen else 1.0)
+        assert rel_err(got[:, b.start : b.stop], want) < 1e-6, b.name
+        weighted += chosen and r > 1.0 + 1e-9
+    assert weighted > 0  # some chosen block is truncated, so the test sees a weight

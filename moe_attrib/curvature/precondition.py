@@ -18,6 +18,11 @@ from moe_attrib.errors import MoeAttribError
 from moe_attrib.indexing.index import Block
 
 EXPERT_BLOCK = re.compile(r"^(?P<layer>.+)\.expert_(?P<i>\d+)\.(?P<proj>[^.]+)\.(?P<key>weight|bias)$")
+OUTPUT_LAYER = "lm_head.*"  # block-name glob of the output layer (Hugging Face causal LMs)
+# Which eigenbasis blocks get the truncation weight `block_weight` at query time: "none" (the default), "dense"
+# (every block but the experts'), "all", "output" (the output layer alone). Measured under rule heldout_s22.
+BLOCK_WEIGHTS = "none"
+BLOCK_WEIGHTS_CHOICES = ("none", "dense", "all", "output")
 
 
 class ScoreError(MoeAttribError, ValueError):
@@ -100,12 +105,13 @@ def precondition_eigen(queries: torch.Tensor, blocks: list[Block], ekfac: EKFAC,
         raise ScoreError(str(err)) from err
     scale = torch.ones(queries.shape[1], dtype=torch.float64)
     for b in blocks:
-        scale[b.start : b.stop] = eigen_denominators(b, ekfac)
+        scale[b.start : b.stop] = eigen_denominators(b, ekfac) / block_weight(b, ekfac)
     return (queries.double() / scale.to(queries.device)).float()
 
 
-def eigen_denominators(block: Block, ekfac: EKFAC) -> torch.Tensor:
-    """`Lambda + damping` of the directions kept in an eigenbasis block, flattened as its columns (float64)."""
+def _block_spectrum(block: Block, ekfac: EKFAC) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(Lambda, damping, kept)` of an eigenbasis block's factor (its expert's, for an expert block; float64):
+    every direction pair's corrected eigenvalue, and the kept pairs' eigenvalues flattened as the block's columns."""
     m = EXPERT_BLOCK.match(block.name)
     factor, expert = (f"{m['layer']}.{m['proj']}", int(m["i"])) if m else (block.name[: -len(".weight")], None)
     f = ekfac.factors.get(factor)
@@ -118,7 +124,31 @@ def eigen_denominators(block: Block, ekfac: EKFAC) -> torch.Tensor:
     if expert is not None:
         rows, cols, lam, damp = rows[expert], cols[expert], lam[expert], damp[expert]
     kr, kc = block.shape[:2]
-    return (lam[rows[:kr]][:, cols[:kc]] + damp)[cell_mask(tuple(block.shape))]
+    return lam, damp, lam[rows[:kr]][:, cols[:kc]][cell_mask(tuple(block.shape))]
+
+
+def eigen_denominators(block: Block, ekfac: EKFAC) -> torch.Tensor:
+    """`Lambda + damping` of the directions kept in an eigenbasis block, flattened as its columns (float64)."""
+    _, damp, kept = _block_spectrum(block, ekfac)
+    return kept + damp
+
+
+def block_weight(block: Block, ekfac: EKFAC, which: str | None = None) -> float:
+    """The truncation weight of an eigenbasis block under `which` (`BLOCK_WEIGHTS` when None; 1 for a block it
+    leaves out): `r = sum_all lambda / (lambda + d) / sum_kept lambda / (lambda + d)`. A direction pair holds
+    `lambda = E[g_ij^2]`, so a block's part of the preconditioned inner product `g' P g` between two rows is
+    `sum_kept lambda / (lambda + d)` in expectation, against `sum_all` for exact rows; multiplying the block's
+    preconditioned query columns by `r` gives it the exact rows' expected weight in the whole-model vote."""
+    which = BLOCK_WEIGHTS if which is None else which
+    if which not in BLOCK_WEIGHTS_CHOICES:
+        raise ValueError(f"block weights {which!r}: one of {BLOCK_WEIGHTS_CHOICES}")
+    expert = EXPERT_BLOCK.match(block.name) is not None
+    output = fnmatch.fnmatchcase(block.name, OUTPUT_LAYER)
+    if which == "none" or (which == "dense" and expert) or (which == "output" and not output):
+        return 1.0
+    lam, damp, kept = _block_spectrum(block, ekfac)
+    held = float((kept / (kept + damp)).sum())
+    return float((lam / (lam + damp)).sum()) / held if held > 0 else 1.0
 
 
 def check_fitted(what: str, settings: dict, want: dict, refit: str) -> None:

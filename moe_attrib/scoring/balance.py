@@ -30,11 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from moe_attrib.curvature.ekfac import EKFAC
-from moe_attrib.curvature.precondition import ScoreError, check_fitted, module_columns
+from moe_attrib.curvature.precondition import OUTPUT_LAYER, ScoreError, check_fitted, module_columns
 from moe_attrib.indexing.index import Index
 from moe_attrib.scoring.coupling import Coupling, ekfac_identity, fit_coupling, memory_available, sampled_rows
 
-OUTPUT_LAYER = "lm_head.*"  # block-name glob of the output layer (Hugging Face causal LMs)
 DEFAULT_BALANCE_SAMPLE = 256  # rows the spreads are measured on
 BALANCE_WHOLES = ("model", "rest")  # the whole-model vote: every column, or every column but the output layer's
 BALANCE_WHOLE = "model"
