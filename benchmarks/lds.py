@@ -661,33 +661,29 @@ GROUND_TRUTH_FILES = (
 )
 
 
+def _copy_ground_truth(source: Path, target: Path) -> None:
+    """Copy each of `GROUND_TRUTH_FILES` that `source` has and `target` lacks (a file already there is kept)."""
+    import shutil
+
+    for name in GROUND_TRUTH_FILES:
+        src, dst = source / name, target / name
+        if src.exists() and not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+
+
 def restore_ground_truth(cache: Path) -> bool:
     """Copy the tracked ground truth of the configuration cached at `cache` into it, where the cache lacks it;
     True when the cache then holds the subset losses."""
-    import shutil
-
-    kept = GROUND_TRUTH / cache.name
-    if kept.is_dir():
-        for name in GROUND_TRUTH_FILES:
-            src, dst = kept / name, cache / name
-            if src.exists() and not dst.exists():
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, dst)
+    _copy_ground_truth(GROUND_TRUTH / cache.name, cache)
     return (cache / "subset_losses.npz").exists()
 
 
 def keep_ground_truth(cache: Path) -> Path:
     """Copy the configuration's corpus, tokenizer and subset losses from `cache` into the tracked ground truth
     (files already kept are left as they are: the tracked copy is the reference)."""
-    import shutil
-
-    kept = GROUND_TRUTH / cache.name
-    for name in GROUND_TRUTH_FILES:
-        src, dst = cache / name, kept / name
-        if src.exists() and not dst.exists():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
-    return kept
+    _copy_ground_truth(cache, GROUND_TRUTH / cache.name)
+    return GROUND_TRUTH / cache.name
 
 
 @dataclass

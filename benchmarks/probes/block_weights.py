@@ -9,6 +9,7 @@ Usage: `python benchmarks/probes/block_weights.py text-deep heldout-hunyuan text
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 import tempfile
 from pathlib import Path
@@ -21,17 +22,7 @@ import lds  # noqa: E402
 import lds_budget  # noqa: E402
 
 import moe_attrib as ma  # noqa: E402
-from moe_attrib.curvature.precondition import EXPERT_BLOCK, block_weight  # noqa: E402
-
-
-def group_of(name: str) -> str:
-    if name.startswith("lm_head"):
-        return "output layer"
-    if EXPERT_BLOCK.match(name):
-        return "experts"
-    if ".mlp.gate." in name or "router" in name:
-        return "routers"
-    return "attention and other dense"
+from moe_attrib.curvature.precondition import block_weight  # noqa: E402
 
 
 def main() -> int:
@@ -44,12 +35,13 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             ek = lds_budget.build_default_index(model, cached.examples, Path(tmp) / "ix")
             index = ma.load_index(Path(tmp) / "ix")
-            by_group: dict[str, list[float]] = {}
+            globs, by_group = lds.groups(model), {}  # the benchmark's module groups (`score --modules`)
             for b in index.blocks:
-                by_group.setdefault(group_of(b.name), []).append(block_weight(b, ek, "all"))
+                group = next((g for g, glob in globs.items() if fnmatch.fnmatchcase(b.name, glob)), "in no group")
+                by_group.setdefault(group, []).append(block_weight(b, ek, "all"))
         for group, weights in sorted(by_group.items()):
             w = np.asarray(weights)
-            print(f"{name}: {group:26s} {len(w):4d} blocks, weight min {w.min():.3f} median {np.median(w):.3f} "
+            print(f"{name}: {group:12s} {len(w):4d} blocks, weight min {w.min():.3f} median {np.median(w):.3f} "
                   f"max {w.max():.3f}")  # fmt: skip
     return 0
 
